@@ -1,0 +1,71 @@
+"""Crash-safe file writes: temp file in the same directory, fsync, rename, fsync dir.
+
+A reader never sees a half-written file; after a crash either the old or the new
+content is there, never a mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, IO
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_with(path: str | os.PathLike, writer: Callable[[IO[bytes]], None], mode: int = 0o644) -> None:
+    """Write `path` atomically; `writer` receives a binary file object."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            writer(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
+    write_with(path, lambda handle: handle.write(data), mode)
+
+
+def write_text(path: str | os.PathLike, text: str, mode: int = 0o644) -> None:
+    write_bytes(path, text.encode("utf-8"), mode)
+
+
+def write_json(path: str | os.PathLike, obj: Any, mode: int = 0o644) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", mode)
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append one line and fsync: used for manifests and event logs (append-only)."""
+    if "\n" in line:
+        raise ValueError("append_line takes a single line without newlines")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
