@@ -1,0 +1,5 @@
+import sys
+
+from eagle3_console.cli import main
+
+sys.exit(main())

@@ -1,0 +1,271 @@
+"""Command line: the console, plus headless `init`, `check`, `run`, `status`.
+
+Headless commands never import Textual (fast start, usable from scripts and cron).
+User mistakes print one clear line and exit 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from engine.config import ConfigError
+from engine.workspace import WorkspaceError
+
+GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-"}
+STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-w", "--workspace", metavar="DIR", help="workspace directory (default: ./ or ./eagle3-workspace)")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog="eagle3-console",
+        parents=[common],
+        description="Build EAGLE-3 drafters on SGLang from one terminal console.",
+    )
+    parser.add_argument("--read-only", action="store_true", help="attach without driving (never takes the lock)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("init", help="create a workspace", parents=[common])
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--demo", action="store_true", help="tiny local target + demo data (no GPU needed)")
+
+    p = sub.add_parser("check", help="run stage checks headless; exit 0 iff all pass", parents=[common])
+    p.add_argument("stages", nargs="*", metavar="STAGE")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("run", help="run stages headless", parents=[common])
+    p.add_argument("stages", nargs="+", metavar="STAGE|all")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("status", help="what runs, where it stands", parents=[common])
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"eagle3-console: error: {message}", file=sys.stderr)
+    return code
+
+
+def _workspace_arg(args) -> str | None:
+    return getattr(args, "workspace", None)
+
+
+def _open_workspace(args):
+    from engine.config import validate_against_model
+    from engine.workspace import Workspace, find_workspace
+
+    root, _ = find_workspace(_workspace_arg(args))
+    ws = Workspace(root)
+    if not ws.exists():
+        raise WorkspaceError(f"{root} is not a workspace (no console.toml). "
+                             f"Create one with `eagle3-console init {root}` (add --demo for the demo).")
+    config = ws.config
+    validate_against_model(config, ws.root, ws.config_path)
+    return ws
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_init(args) -> int:
+    from engine.workspace import init_workspace
+
+    def progress(text: str) -> None:
+        print(f"  {text}", flush=True)
+
+    print(f"Creating {'demo ' if args.demo else ''}workspace {Path(args.dir).resolve()}", flush=True)
+    ws = init_workspace(args.dir, demo=args.demo, progress=progress)
+    print(f"Workspace ready: {ws.root}\n  config: {ws.config_path}\n  open it: eagle3-console -w {ws.root}")
+    if not args.demo:
+        print("  next: set model.path and dataset.path in console.toml, then `eagle3-console check`")
+    return 0
+
+
+def _print_report(report) -> None:
+    glyph = GLYPHS.get(report.state.value, "?")
+    print(f"{glyph} {report.stage:<9} {report.state.value:<11} {report.title}")
+    if report.note and not report.results:
+        print(f"    {report.note}")
+    for r in report.results:
+        print(f"    {STATUS_GLYPHS[r.status.value]} {r.name}: {r.evidence}")
+        if r.fix:
+            print(f"      fix: {r.fix}")
+
+
+def _stage_list(names: list[str]) -> list[str]:
+    from engine.pipeline import get_stage, stage_names
+
+    if not names or names == ["all"]:
+        return stage_names()
+    for name in names:
+        get_stage(name)  # raises KeyError with a suggestion
+    return names
+
+
+async def _check(ws, names: list[str]):
+    from engine.core import Engine
+
+    engine = Engine(ws, drive=False)  # checks only read; they may run beside a driving console
+    try:
+        return await engine.pipeline.run(names)
+    finally:
+        await engine.close()
+
+
+def cmd_check(args) -> int:
+    ws = _open_workspace(args)
+    try:
+        names = _stage_list(args.stages)
+    except KeyError as exc:
+        return _fail(exc.args[0])
+    reports = asyncio.run(_check(ws, names))
+    if args.json:
+        print(json.dumps({"workspace": str(ws.root), "stages": [r.to_dict() for r in reports],
+                          "ok": all(r.state.value == "passed" for r in reports)}, indent=2))
+    else:
+        for report in reports:
+            _print_report(report)
+    return 0 if all(r.state.value == "passed" for r in reports) else 1
+
+
+def cmd_run(args) -> int:
+    ws = _open_workspace(args)
+    try:
+        names = _stage_list(args.stages)
+    except KeyError as exc:
+        return _fail(exc.args[0])
+    reports = asyncio.run(_check(ws, names))
+    ok = True
+    for report in reports:
+        _print_report(report)
+        if report.state.value != "passed":
+            ok = False
+            print(f"stopping at stage '{report.stage}': it is not green", file=sys.stderr)
+            break
+    return 0 if ok else 1
+
+
+def status_data(ws) -> dict:
+    from engine.core import Engine
+
+    engine = Engine(ws, drive=False)
+    try:
+        gpu = engine.gpu_sampler.sample()
+        disks = engine.disk_sampler.sample()
+        jobs = engine.jobs.list()
+        return {
+            "workspace": str(ws.root),
+            "driver": ws.lock.holder().describe() if ws.lock.holder() and _lock_held(ws) else None,
+            "stages": [r.to_dict() for r in engine.reports()],
+            "jobs": [_job_dict(j) for j in jobs],
+            "gpus": gpu.to_dict(),
+            "disk": [_disk_dict(d) for d in disks],
+        }
+    finally:
+        asyncio.run(engine.close())
+
+
+def _lock_held(ws) -> bool:
+    from engine.workspace import WorkspaceLock
+
+    probe = WorkspaceLock(ws.root)
+    if probe.acquire():
+        probe.release()
+        return False
+    return True
+
+
+def _job_dict(job) -> dict:
+    return {"id": job.id, "kind": job.kind, "state": job.state, "pid": job.pid, "exit_code": job.exit_code,
+            "started_at": job.started_at, "ended_at": job.ended_at}
+
+
+def _disk_dict(d) -> dict:
+    return {"label": d.label, "path": d.path, "mount": d.mount, "total": d.total, "used": d.used,
+            "free": d.free, "reserve": d.reserve, "below_reserve": d.below_reserve}
+
+
+def cmd_status(args) -> int:
+    from engine.disk import fmt_bytes
+
+    ws = _open_workspace(args)
+    data = status_data(ws)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"workspace {data['workspace']}" + (f"  (driven by {data['driver']})" if data["driver"] else ""))
+    print("stages:")
+    for s in data["stages"]:
+        last = s["checks"]
+        fails = [c for c in last if c["status"] == "fail"]
+        detail = f" — {fails[0]['name']}: {fails[0]['evidence']}" if fails else ""
+        print(f"  {GLYPHS.get(s['state'], '?')} {s['stage']:<9} {s['state']}{detail}")
+    print("jobs:" if data["jobs"] else "jobs: none")
+    for j in data["jobs"]:
+        code = "" if j["exit_code"] is None else f" exit {j['exit_code']}"
+        print(f"  {j['id']:<32} {j['kind']:<10} {j['state']}{code}")
+    g = data["gpus"]
+    if not g["available"]:
+        print(f"gpus: {g['reason']}")
+    else:
+        print(f"gpus: {len(g['gpus'])} ({g['interconnect']}), driver {g['driver_version']}")
+        for gpu in g["gpus"]:
+            used, total = gpu.get("memory_used") or 0, gpu.get("memory_total") or 0
+            print(f"  GPU{gpu['index']} {gpu['name']}: util {gpu.get('utilization_gpu')}%, "
+                  f"mem {fmt_bytes(used)}/{fmt_bytes(total)}, {gpu.get('temperature_c')}°C")
+    print("disk:")
+    for d in data["disk"]:
+        flag = "  BELOW RESERVE" if d["below_reserve"] else ""
+        print(f"  {d['label']:<20} {fmt_bytes(d['free'])} free of {fmt_bytes(d['total'])} on {d['mount']} "
+              f"(reserve {fmt_bytes(d['reserve'])}){flag}")
+    return 0
+
+
+def cmd_console(args) -> int:
+    from engine.workspace import Workspace, find_workspace, init_workspace
+
+    root, is_default = find_workspace(_workspace_arg(args))
+    ws = Workspace(root)
+    if not ws.exists():
+        if not is_default:
+            raise WorkspaceError(f"{root} is not a workspace (no console.toml). "
+                                 f"Create one with `eagle3-console init {root}` (add --demo for the demo).")
+        print(f"No workspace here: creating the demo workspace {root} (tiny local model, about a minute)…",
+              flush=True)
+        init_workspace(root, demo=True, progress=lambda text: print(f"  {text}", flush=True))
+    from engine.config import validate_against_model
+
+    validate_against_model(ws.config, ws.root, ws.config_path)
+    from eagle3_console.app import run_console  # Textual is imported only here
+
+    return run_console(ws, read_only=args.read_only)
+
+
+COMMANDS = {"init": cmd_init, "check": cmd_check, "run": cmd_run, "status": cmd_status}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = COMMANDS.get(args.command, cmd_console)
+    try:
+        return handler(args)
+    except (ConfigError, WorkspaceError) as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Stage `model`: path, config.json, shapes, capture layers in range, tokenizer + chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.checks.base import CheckResult, failed, passed, warned
+from engine.checks.context import CheckContext
+
+
+def read_model_config(model_dir: Path) -> dict[str, Any]:
+    """config.json flattened to the text model (multimodal wrappers keep it in text_config)."""
+    data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    text = data.get("text_config") or data.get("language_config")
+    merged = dict(data)
+    if isinstance(text, dict):
+        merged.update({k: v for k, v in text.items() if k not in ("architectures",)})
+    return merged
+
+
+def _weights_evidence(model_dir: Path) -> tuple[bool, str]:
+    if (model_dir / "model.safetensors.index.json").is_file():
+        index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+        files = sorted(set(index.get("weight_map", {}).values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            return False, f"index lists {len(files)} shards, missing: {', '.join(missing[:3])}"
+        return True, f"{len(files)} safetensors shards"
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return True, f"model.safetensors ({single.stat().st_size / 2**20:.1f} MiB)"
+    bins = sorted(model_dir.glob("*.bin"))
+    if bins:
+        return True, f"{len(bins)} .bin file(s)"
+    return False, "no model.safetensors, shard index or .bin weights"
+
+
+def check_model(ctx: CheckContext) -> list[CheckResult]:
+    cfg = ctx.config
+    if not cfg.model.path:
+        return [failed("path", "model.path is empty in console.toml", "set model.path to the target model directory")]
+    model_dir = ctx.workspace.path(cfg.model.path)
+    if not model_dir.is_dir():
+        return [failed("path", f"{model_dir} does not exist", "set model.path to an existing HF model directory")]
+    results = [passed("path", str(model_dir))]
+
+    try:
+        mc = read_model_config(model_dir)
+    except FileNotFoundError:
+        return results + [failed("config", f"{model_dir}/config.json missing", "point model.path at a Hugging Face model directory")]
+    except (OSError, ValueError) as exc:
+        return results + [failed("config", f"config.json unreadable: {exc}", "restore config.json from the model's source")]
+    layers, hidden, vocab = mc.get("num_hidden_layers"), mc.get("hidden_size"), mc.get("vocab_size")
+    if not all(isinstance(v, int) and v > 0 for v in (layers, hidden, vocab)):
+        return results + [failed("config", f"num_hidden_layers={layers}, hidden_size={hidden}, vocab_size={vocab}",
+                                 "config.json must give positive integers for these three fields")]
+    arch = ",".join(mc.get("architectures") or ["?"])
+    results.append(passed("config", f"{arch}: {layers} layers, hidden {hidden}, vocab {vocab}"))
+
+    ok, evidence = _weights_evidence(model_dir)
+    results.append(passed("weights", evidence) if ok else failed("weights", evidence, "download the complete checkpoint"))
+
+    results.append(_layers_check(cfg.model.capture_layers, layers))
+    results.append(_tokenizer_check(model_dir))
+    return results
+
+
+def _layers_check(configured: list[int], num_layers: int) -> CheckResult:
+    from engine.capture.layers import default_capture_layers, to_sglang_numbering, validate_layers
+
+    layers = list(configured) or default_capture_layers(num_layers)
+    source = "configured" if configured else "default [1, L//2-1, L-4]"
+    try:
+        validate_layers(layers, num_layers)
+    except ValueError as exc:
+        return failed("capture_layers", f"{layers} ({source}): {exc}",
+                      f"use three distinct ids in 0..{num_layers - 1}, or [] for the default")
+    return passed("capture_layers",
+                  f"outputs of layers {layers} (0-indexed, {source}) = SGLang layers_to_capture "
+                  f"{to_sglang_numbering(layers)}")
+
+
+def _tokenizer_check(model_dir: Path) -> CheckResult:
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a broken tokenizer
+        return failed("tokenizer", f"tokenizer did not load: {type(exc).__name__}: {str(exc)[:200]}",
+                      "the model directory needs tokenizer.json or the tokenizer files of its family")
+    if not getattr(tok, "chat_template", None):
+        return failed("tokenizer", f"{type(tok).__name__} loaded, no chat template",
+                      "add the serving chat template (tokenizer_config.json 'chat_template') — training data must be "
+                      "tokenised exactly as the server will see it")
+    try:
+        ids = tok.apply_chat_template([{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}],
+                                      tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+    except Exception as exc:
+        return failed("tokenizer", f"chat template failed to render: {exc}", "fix the chat template")
+    if not ids:
+        return warned("tokenizer", "chat template rendered zero tokens", "check the chat template")
+    return passed("tokenizer", f"{type(tok).__name__}, {len(tok)} tokens, chat template renders ({len(ids)} tokens for a 2-turn probe)")

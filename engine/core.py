@@ -1,0 +1,154 @@
+"""The engine facade: one async API for the console and the CLI.
+
+It opens a workspace (taking the driver lock, or attaching read-only), runs one poller per
+data source (GPUs, disks, jobs), runs stage checks, and publishes typed events to
+listeners. It never imports a UI toolkit and never stops jobs when it closes: jobs are
+detached processes that outlive any console.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Callable
+
+from engine.checks.base import StageReport
+from engine.checks.context import CheckContext
+from engine.events import DiskUpdated, Event, GpuUpdated, JobsUpdated, Notice, StageUpdated
+from engine.pipeline import Pipeline
+from engine.workspace import LockHolder, Workspace
+
+log = logging.getLogger(__name__)
+Listener = Callable[[Event], None]
+
+
+class ReadOnlyError(Exception):
+    """A command that changes things was sent to a read-only (attached) engine."""
+
+
+class Engine:
+    def __init__(self, workspace: Workspace, *, drive: bool = True, gpu_sampler=None):
+        from engine.disk import DiskSampler
+        from engine.gpu import GpuSampler
+        from engine.jobs import JobManager
+
+        self.workspace = workspace
+        self.config = workspace.config
+        self.read_only = True
+        self.lock_holder: LockHolder | None = None
+        if drive:
+            if workspace.lock.acquire():
+                self.read_only = False
+            else:
+                self.lock_holder = workspace.lock.holder()
+        self.gpu_sampler = gpu_sampler or GpuSampler(
+            fast_interval=self.config.gpu.sample_interval_s,
+            slow_interval=self.config.gpu.slow_sample_interval_s,
+        )
+        reserve = int(self.config.extract.disk_reserve_gb * 2**30)
+        self.disk_sampler = DiskSampler(workspace.written_paths(), reserve, interval=5.0)
+        self.jobs = JobManager(workspace.jobs_dir)
+        self.pipeline = Pipeline(CheckContext(workspace, gpu_snapshot=self.latest_gpu), persist=not self.read_only)
+        self.gpu_snapshot = None
+        self.disk_usages: tuple = ()
+        self.job_list: tuple = ()
+        self._listeners: list[Listener] = []
+        self._tasks: list[asyncio.Task] = []
+
+    # -- listeners
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def _emit(self, event: Event) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:  # a broken view must not stop the engine
+                log.exception("listener failed on %s", type(event).__name__)
+
+    def notify(self, level: str, text: str) -> None:
+        self._emit(Notice(level=level, text=text))
+
+    # -- pollers
+    def latest_gpu(self):
+        if self.gpu_snapshot is None:
+            self.gpu_snapshot = self.gpu_sampler.sample()
+        return self.gpu_snapshot
+
+    def _on_gpu(self, snapshot) -> None:
+        self.gpu_snapshot = snapshot
+        self._emit(GpuUpdated(snapshot=snapshot))
+
+    def _on_disk(self, usages) -> None:
+        self.disk_usages = tuple(usages)
+        self._emit(DiskUpdated(usages=self.disk_usages))
+
+    async def _watch_jobs(self, interval: float = 1.0) -> None:
+        previous: dict[str, str] = {}
+        while True:
+            jobs = tuple(await asyncio.to_thread(self.jobs.list))
+            states = {j.id: j.state for j in jobs}
+            if states != previous or not self.job_list:
+                for job in jobs:
+                    old = previous.get(job.id)
+                    if old is not None and old != job.state and job.state in ("succeeded", "failed", "stopped", "lost"):
+                        level = "information" if job.state == "succeeded" else "warning"
+                        self.notify(level, f"job {job.id} {job.state}")
+                previous = states
+            self.job_list = jobs
+            self._emit(JobsUpdated(jobs=jobs))
+            await asyncio.sleep(interval)
+
+    async def start(self) -> None:
+        """Start the pollers (call once, from the event loop that will own them)."""
+        if self._tasks:
+            return
+        self._tasks = [
+            asyncio.create_task(self.gpu_sampler.watch(self._on_gpu), name="gpu-sampler"),
+            asyncio.create_task(self.disk_sampler.watch(self._on_disk), name="disk-sampler"),
+            asyncio.create_task(self._watch_jobs(), name="job-watcher"),
+        ]
+
+    async def close(self) -> None:
+        """Stop watching. Jobs keep running; the lock is released for the next console."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+        self.gpu_sampler.close()
+        self.workspace.lock.release()
+
+    # -- commands
+    def _require_driver(self, what: str) -> None:
+        if self.read_only:
+            holder = self.lock_holder.describe() if self.lock_holder else "another console"
+            raise ReadOnlyError(f"cannot {what}: this console is attached read-only ({holder} drives this workspace)")
+
+    async def run_checks(self, names: list[str] | None = None) -> list[StageReport]:
+        reports = []
+        from engine.pipeline import stage_names
+
+        for name in names or stage_names():
+            self._emit(StageUpdated(report=self.pipeline.reports[name]))
+            report = await self.pipeline.run_stage(name)
+            self._emit(StageUpdated(report=report))
+            reports.append(report)
+        return reports
+
+    def reports(self) -> list[StageReport]:
+        from engine.pipeline import stage_names
+
+        return [self.pipeline.report(n) for n in stage_names()]
+
+    def running_jobs(self) -> list:
+        return [j for j in self.job_list if j.state in ("starting", "running")]
+
+
+def open_engine(root: Path | str, *, drive: bool = True) -> Engine:
+    return Engine(Workspace(root), drive=drive)

@@ -1,0 +1,241 @@
+"""The workspace: one directory holding config, jobs and outputs, plus the driver lock.
+
+A console can quit and a new one re-attach because everything the engine knows lives
+here. Only one process drives a workspace at a time (an flock on `.console.lock`);
+others attach read-only and say so.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import atomic
+from engine.config import CONFIG_NAME, Config, ConfigError, load_config, render_config, resolve_path
+
+LOCK_NAME = ".console.lock"
+DEFAULT_WORKSPACE = "eagle3-workspace"
+
+
+class WorkspaceError(Exception):
+    """A workspace problem explained for the user."""
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    pid: int
+    host: str
+    since: float
+
+    def describe(self) -> str:
+        age = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"pid {self.pid} on {self.host} since {age}"
+
+
+class WorkspaceLock:
+    """Advisory exclusive lock. The kernel drops it if the holder dies, so it is never stale."""
+
+    def __init__(self, root: Path):
+        self.path = root / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+        os.fsync(fd)
+        self._fd = fd
+        return True
+
+    def holder(self) -> LockHolder | None:
+        try:
+            data = json.loads(self.path.read_text())
+            return LockHolder(int(data["pid"]), str(data["host"]), float(data["since"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+class Workspace:
+    """Paths and config of one workspace directory."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root).expanduser().resolve()
+        self.lock = WorkspaceLock(self.root)
+        self._config: Config | None = None
+
+    # -- layout
+    @property
+    def config_path(self) -> Path:
+        return self.root / CONFIG_NAME
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.root / "jobs"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    def path(self, value: str) -> Path:
+        return resolve_path(self.root, value)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path(self.config.model.path) if self.config.model.path else self.root / "models" / "unset"
+
+    @property
+    def hidden_dir(self) -> Path:
+        return self.path(self.config.extract.output_dir) / self.config.extract.run
+
+    @property
+    def drafter_dir(self) -> Path:
+        return self.path(self.config.train.output_dir) / self.config.train.run
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.path(self.config.evaluate.output_dir) / self.config.evaluate.run
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.path(self.config.extract.spool_dir)
+
+    def written_paths(self) -> dict[str, Path]:
+        """Every place the pipeline writes to, for the disk sampler."""
+        return {
+            "workspace": self.root,
+            "hidden": self.hidden_dir,
+            "drafters": self.drafter_dir,
+            "spool": self.spool_dir,
+        }
+
+    # -- config
+    @property
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = load_config(self.root)
+        return self._config
+
+    def reload(self) -> Config:
+        self._config = None
+        return self.config
+
+    def save_config(self, config: Config) -> None:
+        atomic.write_text(self.config_path, render_config(config, CONFIG_COMMENTS), mode=0o600)
+        self._config = config
+
+    def exists(self) -> bool:
+        return self.config_path.is_file()
+
+
+CONFIG_COMMENTS = {
+    "model.path": "target model directory (HF format)",
+    "model.backend": "local | sglang",
+    "model.capture_layers": "0-indexed decoder layer outputs; [] = [1, L//2-1, L-4]",
+    "server.host": "keep 127.0.0.1 unless other machines must reach the server",
+    "server.api_key": "sent as a Bearer token; never logged",
+    "gpu.nccl_preset": "none | pcie-sm120 | p2p-off",
+    "dataset.format": "auto | messages | sharegpt",
+    "dataset.on_bad_line": "skip (and count) | stop",
+    "extract.disk_reserve_gb": "extraction pauses when free space drops below this",
+    "extract.spool_dir": "scratch for captured segments; emptied as records commit",
+}
+
+
+def demo_config() -> Config:
+    """The embedded default: tiny local target, demo data, sized for a laptop or CI."""
+    config = Config()
+    config.model.path = "models/demo-target"
+    config.model.backend = "local"
+    config.server.device = "auto"
+    config.server.port = 30017
+    config.server.startup_timeout_s = 120.0
+    config.dataset.path = "data/train.jsonl"
+    config.dataset.eval_path = "data/eval.jsonl"
+    config.dataset.max_seq_len = 512
+    config.extract.disk_reserve_gb = 1.0
+    config.extract.spool_dir = "spool"
+    config.extract.spool_reserve_gb = 0.1
+    config.train.epochs = 4
+    config.train.max_len = 512
+    config.train.draft_vocab_size = 512
+    config.train.save_every = 50
+    config.train.log_every = 5
+    config.train.learning_rate = 1e-3
+    config.evaluate.num_prompts = 8
+    config.evaluate.max_new_tokens = 48
+    return config
+
+
+def init_workspace(root: Path | str, demo: bool = False, progress=None) -> Workspace:
+    """Create a workspace; refuses to overwrite an existing config (nothing lost)."""
+    ws = Workspace(root)
+    if ws.exists():
+        raise WorkspaceError(f"{ws.config_path} already exists: this is a workspace already. "
+                             f"Open it with `eagle3-console -w {ws.root}` or choose another directory.")
+    if ws.root.exists() and not ws.root.is_dir():
+        raise WorkspaceError(f"{ws.root} exists and is not a directory: choose another path.")
+    try:
+        ws.root.mkdir(parents=True, exist_ok=True)
+        for sub in ("jobs", "state", "hidden", "drafters", "eval"):
+            (ws.root / sub).mkdir(exist_ok=True)
+    except OSError as exc:
+        raise WorkspaceError(f"cannot create workspace {ws.root}: {exc.strerror}. "
+                             "Choose a directory you can write to.") from None
+    if demo:
+        _create_demo_content(ws, progress)
+    config = demo_config() if demo else Config()
+    ws.save_config(config)  # written last: a workspace with a config is complete
+    return ws
+
+
+def _create_demo_content(ws: Workspace, progress) -> None:
+    try:
+        from engine.demo import create_demo_content
+    except ImportError:  # demo builder not available in this build: config only
+        return
+    create_demo_content(ws.root, progress=progress)
+
+
+def find_workspace(explicit: str | None, cwd: Path | None = None) -> tuple[Path, bool]:
+    """The workspace to open: -w DIR, else cwd if it is one, else ./eagle3-workspace.
+
+    Returns (path, is_default_demo) — the default is created as the demo when missing.
+    """
+    if explicit:
+        return Path(explicit).expanduser().resolve(), False
+    cwd = Path(cwd or Path.cwd())
+    if (cwd / CONFIG_NAME).is_file():
+        return cwd.resolve(), False
+    return (cwd / DEFAULT_WORKSPACE).resolve(), True
+
+
+__all__ = [
+    "ConfigError",
+    "LockHolder",
+    "Workspace",
+    "WorkspaceError",
+    "WorkspaceLock",
+    "demo_config",
+    "find_workspace",
+    "init_workspace",
+]
