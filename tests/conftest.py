@@ -1,0 +1,72 @@
+"""Shared pytest fixtures.
+
+`tiny_model_dir`: a real (randomly initialised) Llama checkpoint with a real byte-level BPE
+tokenizer, saved with save_pretrained so any code path that loads a HF directory can use it.
+Other helpers may append fixtures below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_CORPUS = [
+    "The capital city of France is Paris.",
+    "EAGLE-3 drafts tokens from the target model's hidden states.",
+    "Speculative decoding verifies several draft tokens in one forward pass.",
+    "A small model makes the whole pipeline run on a laptop.",
+    "hello world, hello tokens, hello hidden states",
+    "0123456789 + - * / = ( ) [ ] { } < > ; : ' \" ? !",
+]
+
+
+def build_tiny_model(target: Path, seed: int = 0) -> Path:
+    """Write a 4-layer Llama (hidden 64) and a tiny BPE tokenizer into `target`."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(target)
+
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Larger-than-default init so greedy decoding is not a constant token (makes tests meaningful).
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama + BPE tokenizer directory, built once per test session."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))

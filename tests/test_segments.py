@@ -1,0 +1,223 @@
+"""Capture spool segments and layer numbering: real files in a temp spool."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.capture.layers import (
+    default_capture_layers,
+    parse_layer_list,
+    to_sglang_numbering,
+    validate_layers,
+)
+from engine.capture.segments import (
+    SegmentError,
+    assemble,
+    list_segments,
+    release,
+    segment_path,
+    write_segment,
+)
+from engine.names import UnsafeNameError
+
+H = 8
+LAYERS = [0, 1, 2]
+
+
+def make_states(n: int, offset: int = 0, dtype: torch.dtype = torch.bfloat16):
+    ids = torch.arange(offset, offset + n, dtype=torch.int64)
+    aux = torch.randn(n, 3 * H).to(dtype)
+    final = torch.randn(n, H).to(dtype)
+    return ids, aux, final
+
+
+# ---- layers ---------------------------------------------------------------------------
+
+def test_default_layers_match_sglang_defaults():
+    assert default_capture_layers(32) == [1, 15, 28]
+    assert to_sglang_numbering(default_capture_layers(32)) == [2, 16, 29]  # Llama-3.1-8B
+    assert to_sglang_numbering(default_capture_layers(61)) == [2, 30, 58]  # Kimi-K2.5
+    assert default_capture_layers(8) == [1, 3, 4]
+
+
+@pytest.mark.parametrize("num_layers", [4, 5, 6, 7, 8, 12])
+def test_default_layers_tiny_models_distinct_and_capturable(num_layers):
+    layers = default_capture_layers(num_layers)
+    assert layers == sorted(set(layers)) and len(layers) == 3
+    assert validate_layers(layers, num_layers) == layers
+    assert default_capture_layers(4) == [0, 1, 2]
+
+
+def test_default_layers_too_small_model():
+    with pytest.raises(ValueError, match="at least 4 layers"):
+        default_capture_layers(3)
+
+
+@pytest.mark.parametrize(
+    "layers, message",
+    [
+        ([0, 1, 3], r"capture layer 3 is out of range \(the last layer.*valid range is 0\.\.2"),
+        ([1, 2, 4], r"capture layer 4 .*SGLang numbering"),
+        ([-1, 0, 1], r"capture layer -1 is out of range"),
+        ([0, 1], r"expected 3 capture layers"),
+        ([2, 1, 0], r"distinct and increasing"),
+        ([0, "1", 2], r"'1' is not an integer"),
+    ],
+)
+def test_validate_layers_errors(layers, message):
+    with pytest.raises(ValueError, match=message):
+        validate_layers(layers, 4)
+
+
+def test_parse_layer_list():
+    assert parse_layer_list("1, 3,4") == [1, 3, 4]
+    with pytest.raises(ValueError, match="'x'"):
+        parse_layer_list("1,x")
+
+
+# ---- segments -------------------------------------------------------------------------
+
+def test_write_and_assemble_single_segment(tmp_path):
+    ids, aux, final = make_states(5)
+    path = write_segment(tmp_path, "req-1", 0, ids, aux, final, LAYERS)
+    assert path == tmp_path / "req-1" / "0000000000.safetensors"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp left
+    capture = assemble(tmp_path, "req-1", expected_len=5, expected_input_ids=list(range(5)))
+    assert capture.num_tokens == 5 and capture.layers == LAYERS
+    assert capture.aux_hidden_state.dtype == torch.bfloat16  # dtype kept as given
+    assert torch.equal(capture.aux_hidden_state, aux) and torch.equal(capture.hidden_state, final)
+    assert capture.input_ids.dtype == torch.int64
+
+
+def test_chunked_prefill_segments_stitch_in_position_order(tmp_path):
+    parts = [make_states(4, 0), make_states(3, 4), make_states(6, 7)]
+    # write out of order: assembly must order by start, not by write time
+    for start, (ids, aux, final) in sorted(zip([0, 4, 7], parts), key=lambda p: -p[0]):
+        write_segment(tmp_path, "chunked", start, ids, aux, final, LAYERS)
+    assert [s.start for s in list_segments(tmp_path, "chunked")] == [0, 4, 7]
+    capture = assemble(tmp_path, "chunked", expected_len=13)
+    assert torch.equal(capture.input_ids, torch.arange(13))
+    assert torch.equal(capture.aux_hidden_state, torch.cat([p[1] for p in parts]))
+    assert torch.equal(capture.hidden_state, torch.cat([p[2] for p in parts]))
+
+
+def test_gap_is_reported_with_positions(tmp_path):
+    write_segment(tmp_path, "gappy", 0, *make_states(4), LAYERS)
+    write_segment(tmp_path, "gappy", 6, *make_states(2, 6), LAYERS)
+    with pytest.raises(SegmentError, match=r"gap .*positions 4\.\.5 are missing"):
+        assemble(tmp_path, "gappy")
+
+
+def test_missing_first_chunk_is_a_gap(tmp_path):
+    write_segment(tmp_path, "late", 3, *make_states(2, 3), LAYERS)
+    with pytest.raises(SegmentError, match=r"positions 0\.\.2 are missing"):
+        assemble(tmp_path, "late")
+
+
+def test_overlap_is_reported(tmp_path):
+    write_segment(tmp_path, "dup", 0, *make_states(4), LAYERS)
+    write_segment(tmp_path, "dup", 2, *make_states(4, 2), LAYERS)
+    with pytest.raises(SegmentError, match=r"overlap .*starts at 2 .*up to 3"):
+        assemble(tmp_path, "dup")
+
+
+def test_expected_length_mismatch(tmp_path):
+    write_segment(tmp_path, "short", 0, *make_states(4), LAYERS)
+    with pytest.raises(SegmentError, match="covers 4 tokens, expected 13"):
+        assemble(tmp_path, "short", expected_len=13)
+
+
+def test_expected_ids_mismatch(tmp_path):
+    write_segment(tmp_path, "ids", 0, *make_states(3), LAYERS)
+    with pytest.raises(SegmentError, match="differ from the ids that were sent"):
+        assemble(tmp_path, "ids", expected_input_ids=[0, 1, 7])
+
+
+def test_mismatched_layers_between_segments(tmp_path):
+    write_segment(tmp_path, "mixed", 0, *make_states(2), [0, 1, 2])
+    write_segment(tmp_path, "mixed", 2, *make_states(2, 2), [1, 2, 3])
+    with pytest.raises(SegmentError, match="layers='1,2,3'"):
+        assemble(tmp_path, "mixed")
+
+
+def test_no_segments(tmp_path):
+    with pytest.raises(SegmentError, match="no capture segments for request 'ghost'"):
+        assemble(tmp_path, "ghost")
+    assert list_segments(tmp_path, "ghost") == []
+
+
+@pytest.mark.parametrize(
+    "aux_shape, final_shape, message",
+    [((4, 3 * H), (3, H), r"hidden_state must be \[4, H\]"), ((4, 2 * H), (4, H), r"aux_hidden_state must be \[4, 3\*8\]")],
+)
+def test_write_rejects_shape_mismatch(tmp_path, aux_shape, final_shape, message):
+    with pytest.raises(SegmentError, match=message):
+        write_segment(tmp_path, "bad", 0, torch.arange(4), torch.zeros(aux_shape), torch.zeros(final_shape), LAYERS)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_write_rejects_float_ids_and_mixed_dtypes(tmp_path):
+    ids, aux, final = make_states(2)
+    with pytest.raises(SegmentError, match="integer"):
+        write_segment(tmp_path, "r", 0, ids.float(), aux, final, LAYERS)
+    with pytest.raises(SegmentError, match="one float dtype"):
+        write_segment(tmp_path, "r", 0, ids, aux, final.float(), LAYERS)
+
+
+@pytest.mark.parametrize("rid", ["../x", "/etc", "a/b", "..", "", ".hidden"])
+def test_bad_rid_rejected_everywhere(tmp_path, rid):
+    ids, aux, final = make_states(2)
+    with pytest.raises(UnsafeNameError):
+        write_segment(tmp_path, rid, 0, ids, aux, final, LAYERS)
+    with pytest.raises(UnsafeNameError):
+        assemble(tmp_path, rid)
+    with pytest.raises(UnsafeNameError):
+        release(tmp_path, rid)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupt_segment_is_a_clear_error(tmp_path):
+    path = write_segment(tmp_path, "torn", 0, *make_states(3), LAYERS)
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(SegmentError, match="cannot read capture segment"):
+        assemble(tmp_path, "torn")
+
+
+def test_renamed_segment_detected(tmp_path):
+    path = write_segment(tmp_path, "moved", 0, *make_states(3), LAYERS)
+    os.rename(path, segment_path(tmp_path, "moved", 5))
+    with pytest.raises(SegmentError, match="file name says otherwise"):
+        assemble(tmp_path, "moved")
+
+
+def test_release_removes_only_that_rid(tmp_path):
+    write_segment(tmp_path, "a", 0, *make_states(2), LAYERS)
+    write_segment(tmp_path, "a", 2, *make_states(2, 2), LAYERS)
+    write_segment(tmp_path, "b", 0, *make_states(2), LAYERS)
+    assert release(tmp_path, "a") == 2
+    assert not (tmp_path / "a").exists()
+    assert assemble(tmp_path, "b").num_tokens == 2
+    assert release(tmp_path, "a") == 0  # idempotent
+
+
+def test_release_keeps_foreign_files(tmp_path):
+    write_segment(tmp_path, "c", 0, *make_states(2), LAYERS)
+    (tmp_path / "c" / "notes.txt").write_text("not a segment")
+    with pytest.raises(SegmentError, match="notes.txt"):
+        release(tmp_path, "c")
+    assert (tmp_path / "c" / "notes.txt").read_text() == "not a segment"
+    assert not (tmp_path / "c" / "0000000000.safetensors").exists()
+
+
+def test_release_refuses_symlinked_rid_dir(tmp_path):
+    outside = tmp_path / "outside"
+    write_segment(outside, "victim", 0, *make_states(2), LAYERS)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "victim").symlink_to(outside / "victim")
+    with pytest.raises(SegmentError, match="symlink"):
+        release(spool, "victim")
+    assert (outside / "victim" / "0000000000.safetensors").exists()
