@@ -1,0 +1,381 @@
+"""Job manager: long work runs in detached, supervised processes that outlive the console.
+
+Each job lives in `<jobs_dir>/<job-id>/` (see engine.jobctx for the files). A manager
+holds no state that matters: a fresh one on the same folder re-attaches to running jobs,
+identifying their processes by pid AND create time (pids get reused).
+
+Who writes job.json: the manager before the supervisor starts; the supervisor while it
+lives; the manager again only once the supervisor is gone (lost, or SIGKILLed on stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generator, Mapping
+
+from engine.atomic import write_text
+from engine.jobctx import (
+    EVENTS_FILE,
+    JOB_DIR_ENV,
+    LAST_LOG_LINES,
+    LOG_FILE,
+    RECORD_FILE,
+    STOP_MARKER,
+    JobRecordError,
+    read_record,
+    tail_lines,
+    update_record,
+)
+from engine.names import check_name
+from engine.procinfo import is_same_process
+
+ACTIVE_STATES = frozenset({"starting", "running"})
+FINAL_STATES = frozenset({"succeeded", "failed", "stopped", "lost"})
+START_WAIT_S = 5.0
+POLL_S = 0.05
+# A job stuck in "starting" with no supervisor on record this long never got going.
+STARTING_STALE_S = 60.0
+LOST_NOTE = "supervisor vanished; exit status unknown"
+
+# `python -m engine.supervise` must import `engine` whatever cwd the job asks for.
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class JobError(RuntimeError):
+    """A job request that cannot be carried out; the message says what to do."""
+
+
+class JobNotFoundError(JobError, LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    id: str
+    kind: str
+    argv: tuple[str, ...]
+    state: str
+    pid: int | None
+    create_time: float | None
+    exit_code: int | None
+    started_at: float | None
+    ended_at: float | None
+    last_log_lines: tuple[str, ...]
+    dir: Path
+    created_at: float | None = None
+    note: str | None = None
+    supervisor_pid: int | None = None
+    supervisor_create_time: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @classmethod
+    def from_record(cls, job_dir: Path, record: Mapping[str, Any]) -> "JobInfo":
+        return cls(
+            id=str(record.get("id") or job_dir.name),
+            kind=str(record.get("kind", "")),
+            argv=tuple(str(a) for a in record.get("argv") or ()),
+            state=str(record.get("state", "unknown")),
+            pid=record.get("pid"),
+            create_time=record.get("create_time"),
+            exit_code=record.get("exit_code"),
+            started_at=record.get("started_at"),
+            ended_at=record.get("ended_at"),
+            last_log_lines=tuple(record.get("last_log_lines") or ()),
+            dir=job_dir,
+            created_at=record.get("created_at"),
+            note=record.get("note"),
+            supervisor_pid=record.get("supervisor_pid"),
+            supervisor_create_time=record.get("supervisor_create_time"),
+        )
+
+
+def _child_alive(record: Mapping[str, Any]) -> bool:
+    return is_same_process(record.get("pid"), record.get("create_time"), record.get("start_ticks"))
+
+
+def _supervisor_alive(record: Mapping[str, Any]) -> bool:
+    return is_same_process(
+        record.get("supervisor_pid"), record.get("supervisor_create_time"), record.get("supervisor_start_ticks")
+    )
+
+
+def _check_command(argv: list[str], env: Mapping[str, str]) -> None:
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise JobError("a job needs a command: a non-empty list of strings (argv), e.g. [sys.executable, '-m', ...]")
+    program = argv[0]
+    if os.sep in program:
+        if not os.access(program, os.X_OK):
+            raise JobError(f"job command {program!r} does not exist or is not executable; check the path")
+    elif shutil.which(program, path=env.get("PATH")) is None:
+        raise JobError(f"job command {program!r} is not on PATH; install it or give its full path")
+
+
+class JobManager:
+    def __init__(self, jobs_dir: Path) -> None:
+        self.jobs_dir = Path(jobs_dir).absolute()
+        # Supervisors this manager spawned, kept so they are reaped (no zombies) when they end.
+        self._spawned: dict[str, subprocess.Popen[bytes]] = {}
+
+    # ---- starting -------------------------------------------------------------------
+
+    def start(
+        self,
+        kind: str,
+        argv: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        job_id: str | None = None,
+    ) -> JobInfo:
+        """Start `argv` as a detached job. `env` is layered over the current environment."""
+        check_name(kind, "job kind")
+        argv = list(argv)
+        if job_id is None:
+            job_id = f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        check_name(job_id, "job id")
+        full_env = {**os.environ, **(env or {})}
+        _check_command(argv, full_env)
+        work_dir = Path(cwd).resolve() if cwd is not None else Path.cwd()
+        if not work_dir.is_dir():
+            raise JobError(f"job working directory {work_dir} does not exist; create it first")
+
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        job_dir = self.jobs_dir / job_id
+        try:
+            job_dir.mkdir()
+        except FileExistsError:
+            raise JobError(f"job {job_id!r} already exists in {self.jobs_dir}; choose another id") from None
+
+        # The record exists before any process does, so a crash here leaves a trace.
+        update_record(
+            job_dir,
+            id=job_id, kind=kind, argv=argv, cwd=str(work_dir), state="starting",
+            created_at=time.time(), pid=None, create_time=None, exit_code=None,
+            started_at=None, ended_at=None, last_log_lines=[],
+        )
+        full_env[JOB_DIR_ENV] = str(job_dir.resolve())
+        full_env.setdefault("PYTHONUNBUFFERED", "1")  # python jobs: the log shows output live
+        with open(job_dir / LOG_FILE, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.supervise", str(job_dir.resolve()), "--", *argv],
+                cwd=_PACKAGE_ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+            )
+        self._spawned[job_id] = proc
+
+        deadline = time.monotonic() + START_WAIT_S
+        while time.monotonic() < deadline:
+            record = read_record(job_dir)
+            if record.get("pid") is not None or record.get("state") in FINAL_STATES:
+                return JobInfo.from_record(job_dir, record)
+            if proc.poll() is not None:
+                record = read_record(job_dir)  # it may have written just before exiting
+                if record.get("pid") is None and record.get("state") not in FINAL_STATES:
+                    record = update_record(
+                        job_dir, state="failed", ended_at=time.time(),
+                        note=f"supervisor exited with code {proc.returncode} before starting the job",
+                        last_log_lines=tail_lines(job_dir / LOG_FILE, LAST_LOG_LINES),
+                    )
+                return JobInfo.from_record(job_dir, record)
+            time.sleep(POLL_S)
+        return self.get(job_id)
+
+    # ---- reading --------------------------------------------------------------------
+
+    def _job_dir(self, job_id: str) -> Path:
+        check_name(job_id, "job id")
+        job_dir = self.jobs_dir / job_id
+        if not (job_dir / RECORD_FILE).is_file():
+            raise JobNotFoundError(f"no job {job_id!r} in {self.jobs_dir}; list jobs to see the ids")
+        return job_dir
+
+    def _reap(self, job_id: str) -> None:
+        proc = self._spawned.get(job_id)
+        if proc is not None and proc.poll() is not None:
+            del self._spawned[job_id]
+
+    def get(self, job_id: str) -> JobInfo:
+        job_dir = self._job_dir(job_id)
+        return self.refresh(JobInfo.from_record(job_dir, read_record(job_dir)))
+
+    def refresh(self, info: JobInfo) -> JobInfo:
+        """Re-read a job and settle its state against the live processes.
+
+        running/starting with supervisor AND child gone and no exit recorded -> "lost".
+        Child gone but supervisor alive -> still running (it is recording the exit).
+        """
+        self._reap(info.id)
+        record = read_record(info.dir)
+        if record.get("state") not in ACTIVE_STATES or record.get("ended_at") is not None:
+            return JobInfo.from_record(info.dir, record)
+        if _supervisor_alive(record) or _child_alive(record):
+            return JobInfo.from_record(info.dir, record)
+        if record.get("supervisor_pid") is None and record.get("state") == "starting":
+            if info.id in self._spawned or time.time() - (record.get("created_at") or 0) < STARTING_STALE_S:
+                return JobInfo.from_record(info.dir, record)  # supervisor still coming up
+        # Check once more: the supervisor may have finished between our two reads.
+        record = read_record(info.dir)
+        if record.get("state") not in ACTIVE_STATES or record.get("ended_at") is not None:
+            return JobInfo.from_record(info.dir, record)
+        record = update_record(
+            info.dir, state="lost", note=LOST_NOTE,
+            last_log_lines=tail_lines(info.dir / LOG_FILE, LAST_LOG_LINES),
+        )
+        return JobInfo.from_record(info.dir, record)
+
+    def list(self) -> list[JobInfo]:
+        """All jobs, newest first. Folders without a readable record are skipped."""
+        infos: list[JobInfo] = []
+        if not self.jobs_dir.is_dir():
+            return infos
+        for job_dir in self.jobs_dir.iterdir():
+            if not (job_dir / RECORD_FILE).is_file():
+                continue
+            try:
+                infos.append(self.refresh(JobInfo.from_record(job_dir, read_record(job_dir))))
+            except JobRecordError:
+                continue
+        infos.sort(key=lambda i: (i.created_at or 0.0, i.id), reverse=True)
+        return infos
+
+    def active(self, kind: str | None = None) -> list[JobInfo]:
+        """Jobs starting or running, optionally of one kind."""
+        return [i for i in self.list() if i.active and (kind is None or i.kind == kind)]
+
+    def tail(self, job_id: str, n: int = 50) -> list[str]:
+        return tail_lines(self._job_dir(job_id) / LOG_FILE, n)
+
+    def events(self, job_id: str, since_offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """Complete events after byte `since_offset`, and the offset to pass next time.
+
+        A line still being written (no newline yet) is left for the next call; a
+        complete line that is not a JSON object is skipped (it stays in the file).
+        """
+        path = self._job_dir(job_id) / EVENTS_FILE
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(since_offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return [], since_offset
+        complete = data[: data.rfind(b"\n") + 1]
+        events: list[dict[str, Any]] = []
+        for line in complete.splitlines():
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(item, dict):
+                events.append(item)
+        return events, since_offset + len(complete)
+
+    # ---- stopping -------------------------------------------------------------------
+
+    def _signal_group(self, record: Mapping[str, Any], sig: int) -> bool:
+        """Signal the job's process group, but only if a member we recorded is still
+        the same process (a reused pid must never get our signal). True if sent."""
+        pgid = record.get("pgid") or record.get("supervisor_pid")
+        if not isinstance(pgid, int) or pgid <= 1:
+            return False
+        if _supervisor_alive(record):
+            pass
+        elif _child_alive(record):
+            try:
+                if os.getpgid(record["pid"]) != pgid:
+                    return False
+            except ProcessLookupError:
+                return False
+        else:
+            return False
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _all_gone(self, job_id: str, record: Mapping[str, Any]) -> bool:
+        self._reap(job_id)
+        return not _supervisor_alive(record) and not _child_alive(record)
+
+    def _stop_steps(self, job_id: str, grace: float, force: bool = False) -> Generator[float, None, JobInfo]:
+        """The stop procedure, shared by the sync and async variants: it yields how long
+        to sleep and returns the final JobInfo."""
+        job_dir = self._job_dir(job_id)
+        record = read_record(job_dir)
+        deadline = time.monotonic() + START_WAIT_S
+        # A supervisor still coming up has no identity on record yet: wait for it.
+        while record.get("state") == "starting" and record.get("supervisor_pid") is None:
+            if time.monotonic() > deadline:
+                break
+            yield POLL_S
+            record = read_record(job_dir)
+        if record.get("state") not in ACTIVE_STATES:
+            return self.get(job_id)
+
+        # The marker tells the supervisor that the group got the signal (no second copy)
+        # and that the ending was asked for.
+        write_text(job_dir / STOP_MARKER, f"{time.time()}\n")
+        killed = force
+        if not force:
+            self._signal_group(record, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while not self._all_gone(job_id, record) and time.monotonic() < deadline:
+                yield POLL_S
+            killed = not self._all_gone(job_id, record)
+        if killed:
+            self._signal_group(record, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while not self._all_gone(job_id, record) and time.monotonic() < deadline:
+                yield POLL_S
+
+        # Keep the supervisor's record; write one only if it could not (SIGKILLed, or gone).
+        record = read_record(job_dir)
+        if record.get("ended_at") is None and record.get("state") in ACTIVE_STATES:
+            update_record(
+                job_dir, state="stopped", ended_at=time.time(), stop_requested=True,
+                exit_code=-signal.SIGKILL if killed else None,
+                note="killed with SIGKILL" if killed else "supervisor was gone; exit status unknown",
+                last_log_lines=tail_lines(job_dir / LOG_FILE, LAST_LOG_LINES),
+            )
+        return self.get(job_id)
+
+    def stop_sync(self, job_id: str, grace: float = 10.0) -> JobInfo:
+        """SIGTERM the job's process group, wait up to `grace` s, then SIGKILL it.
+        Returns the final record (exit code, last log lines). A finished job is left as is."""
+        steps = self._stop_steps(job_id, grace)
+        try:
+            while True:
+                time.sleep(next(steps))
+        except StopIteration as done:
+            return done.value
+
+    async def stop(self, job_id: str, grace: float = 10.0) -> JobInfo:
+        """`stop_sync` that waits with asyncio.sleep, so the event loop keeps running."""
+        steps = self._stop_steps(job_id, grace)
+        try:
+            while True:
+                await asyncio.sleep(next(steps))
+        except StopIteration as done:
+            return done.value
+
+    def kill(self, job_id: str) -> JobInfo:
+        """SIGKILL the whole process group at once (fault injection, last resort)."""
+        steps = self._stop_steps(job_id, 0.0, force=True)
+        try:
+            while True:
+                time.sleep(next(steps))
+        except StopIteration as done:
+            return done.value
