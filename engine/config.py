@@ -223,7 +223,7 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is list:
         (inner,) = typing.get_args(tp)
-        return f"a list of {_type_name(inner)}s"
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}.get(inner, str(inner))
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
