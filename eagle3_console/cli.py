@@ -116,8 +116,13 @@ def _stage_list(names: list[str]) -> list[str]:
 async def _check(ws, names: list[str]):
     from engine.core import Engine
 
-    engine = Engine(ws, drive=False)  # checks only read; they may run beside a driving console
+    # Results are saved only when no console drives the workspace; beside one, they are
+    # printed but not recorded (the driving console owns the record).
+    engine = Engine(ws, drive=True)
     try:
+        if engine.read_only:
+            print(f"note: {engine.lock_holder.describe() if engine.lock_holder else 'another console'} drives this "
+                  "workspace; results are printed, not recorded", file=sys.stderr)
         return await engine.pipeline.run(names)
     finally:
         await engine.close()
@@ -265,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `eagle3-console status | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -46,8 +46,7 @@ class Engine:
             fast_interval=self.config.gpu.sample_interval_s,
             slow_interval=self.config.gpu.slow_sample_interval_s,
         )
-        reserve = int(self.config.extract.disk_reserve_gb * 2**30)
-        self.disk_sampler = DiskSampler(workspace.written_paths(), reserve, interval=5.0)
+        self.disk_sampler = DiskSampler(workspace.written_paths(), workspace.reserves(), interval=5.0)
         self.jobs = JobManager(workspace.jobs_dir)
         self.pipeline = Pipeline(CheckContext(workspace, gpu_snapshot=self.latest_gpu), persist=not self.read_only)
         self.gpu_snapshot = None

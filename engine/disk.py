@@ -14,7 +14,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Union, Any, Callable, Mapping
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
@@ -78,15 +78,25 @@ def usage_for(label: str, path: str | os.PathLike[str], reserve_bytes: int = 0) 
     )
 
 
-def usage_for_paths(paths: Mapping[str, str | os.PathLike[str]], reserve_bytes: int) -> list[DiskUsage]:
+Reserve = Union[int, Mapping[str, int]]
+
+
+def _reserve_of(reserve_bytes: Reserve, label: str) -> int:
+    if isinstance(reserve_bytes, Mapping):
+        return int(reserve_bytes.get(label, 0))
+    return int(reserve_bytes)
+
+
+def usage_for_paths(paths: Mapping[str, str | os.PathLike[str]], reserve_bytes: Reserve) -> list[DiskUsage]:
     """One DiskUsage per filesystem, in first-seen order; paths sharing one are merged.
 
-    The reserve belongs to the filesystem, so two outputs on one disk share it rather than
-    each counting the same free bytes.
+    `reserve_bytes` is one figure for all paths or one per label (the spool keeps a smaller
+    reserve than the output disk). The reserve belongs to the filesystem, so two outputs on
+    one disk share it (the larger one) rather than each counting the same free bytes.
     """
     merged: dict[tuple[int, str], DiskUsage] = {}
     for label, path in paths.items():
-        usage = usage_for(label, path, reserve_bytes)
+        usage = usage_for(label, path, _reserve_of(reserve_bytes, label))
         key = (os.stat(_nearest_existing(Path(path).expanduser())).st_dev, usage.mount)
         if key in merged:
             first = merged[key]
@@ -97,7 +107,7 @@ def usage_for_paths(paths: Mapping[str, str | os.PathLike[str]], reserve_bytes: 
                 total=usage.total,
                 used=usage.used,
                 free=usage.free,
-                reserve=reserve_bytes,
+                reserve=max(first.reserve, usage.reserve),
             )
         else:
             merged[key] = usage
@@ -163,10 +173,10 @@ def parse_size(text: str | int) -> int:
 class DiskSampler:
     """Free space for a set of labelled paths, on demand or every `interval` seconds."""
 
-    def __init__(self, paths: Mapping[str, str | os.PathLike[str]], reserve_bytes: int, interval: float = 5.0) -> None:
+    def __init__(self, paths: Mapping[str, str | os.PathLike[str]], reserve_bytes: Reserve, interval: float = 5.0) -> None:
         if interval <= 0:
             raise ValueError("disk sampling interval must be positive seconds")
-        if reserve_bytes < 0:
+        if min([reserve_bytes] if isinstance(reserve_bytes, int) else list(reserve_bytes.values()) or [0]) < 0:
             raise ValueError(f"disk reserve must be >= 0 bytes, got {reserve_bytes}")
         self.paths = dict(paths)
         self.reserve_bytes = reserve_bytes

@@ -128,6 +128,13 @@ class Workspace:
             "spool": self.spool_dir,
         }
 
+    def reserves(self) -> dict[str, int]:
+        """Free space to keep per written path (bytes); the spool has its own, smaller one."""
+        gib = 2**30
+        main = int(self.config.extract.disk_reserve_gb * gib)
+        return {"workspace": main, "hidden": main, "drafters": main,
+                "spool": int(self.config.extract.spool_reserve_gb * gib)}
+
     # -- config
     @property
     def config(self) -> Config:
