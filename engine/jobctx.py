@@ -118,14 +118,14 @@ class JobContext:
     def events_path(self) -> Path:
         return self.job_dir / EVENTS_FILE
 
-    def event(self, type: str, **data: Any) -> None:
+    def event(self, type: str, /, **data: Any) -> None:
         """Append one event. Each call fsyncs, so report at a human rate (not per token)."""
         if "t" in data or "type" in data:
             raise ValueError("event data must not use the reserved keys 't' or 'type'")
         record = {"t": time.time(), "type": type, **data}
         append_line(self.events_path, json.dumps(record, default=str, separators=(",", ":")))
 
-    def progress(self, done: int | float, total: int | float | None, **extra: Any) -> None:
+    def progress(self, done: int | float, total: int | float | None, /, **extra: Any) -> None:
         self.event("progress", done=done, total=total, **extra)
 
     def install_sigterm_handler(self, also_sigint: bool = True) -> None:

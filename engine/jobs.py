@@ -290,16 +290,15 @@ class JobManager:
         pgid = record.get("pgid") or record.get("supervisor_pid")
         if not isinstance(pgid, int) or pgid <= 1:
             return False
-        if _supervisor_alive(record):
-            pass
-        elif _child_alive(record):
+        if not _supervisor_alive(record):
+            # Supervisor gone: the group lives on only if our verified child is still in it.
+            if not _child_alive(record):
+                return False
             try:
                 if os.getpgid(record["pid"]) != pgid:
                     return False
             except ProcessLookupError:
                 return False
-        else:
-            return False
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:

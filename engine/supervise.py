@@ -73,6 +73,11 @@ class Supervisor:
             "pgid": os.getpgid(0),
         }
         cwd = read_record(self.job_dir).get("cwd") or None
+        if (self.job_dir / STOP_MARKER).exists():
+            # Stopped before we got going (the manager gave up waiting for us): do not start.
+            self.stop_requested = True
+            self._finish(state="stopped", exit_code=None, note="stopped before the job started", **identity)
+            return 0
         try:
             with open(self.log_path, "ab") as log:
                 # Same process group as us: one killpg reaches the job and all it spawned.
@@ -97,7 +102,7 @@ class Supervisor:
             started_at=time.time(),
             **identity,
         )
-        if self.stop_requested:
+        if self.stop_requested or (self.job_dir / STOP_MARKER).exists():
             # A stop arrived while the child was being spawned: it may not have seen it.
             try:
                 child.send_signal(signal.SIGTERM)
