@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="what runs, where it stands", parents=[common])
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("server", help="start, stop or inspect the target server", parents=[common])
+    p.add_argument("action", choices=["start", "stop", "status", "logs", "command"])
+    p.add_argument("--no-capture", action="store_true", help="start without hidden-state capture")
+    p.add_argument("-n", "--lines", type=int, default=50, help="log lines to show")
+    p.add_argument("--json", action="store_true")
     return parser
 
 
@@ -174,11 +180,18 @@ def status_data(ws) -> dict:
             "driver": ws.lock.holder().describe() if ws.lock.holder() and _lock_held(ws) else None,
             "stages": [r.to_dict() for r in engine.reports()],
             "jobs": [_job_dict(j) for j in jobs],
+            "server": _server_status(ws),
             "gpus": gpu.to_dict(),
             "disk": [_disk_dict(d) for d in disks],
         }
     finally:
         asyncio.run(engine.close())
+
+
+def _server_status(ws) -> dict:
+    from engine.server.manager import ServerManager
+
+    return asyncio.run(ServerManager(ws).poll()).to_dict()
 
 
 def _lock_held(ws) -> bool:
@@ -216,6 +229,9 @@ def cmd_status(args) -> int:
         fails = [c for c in last if c["status"] == "fail"]
         detail = f" — {fails[0]['name']}: {fails[0]['evidence']}" if fails else ""
         print(f"  {GLYPHS.get(s['state'], '?')} {s['stage']:<9} {s['state']}{detail}")
+    srv = data["server"]
+    print(f"server: {srv['state']}" + (f" pid {srv['pid']} {srv['url']}" if srv.get("pid") else "")
+          + (f", {srv['gen_throughput']:.1f} tok/s" if srv.get("gen_throughput") is not None else ""))
     print("jobs:" if data["jobs"] else "jobs: none")
     for j in data["jobs"]:
         code = "" if j["exit_code"] is None else f" exit {j['exit_code']}"
@@ -257,7 +273,70 @@ def cmd_console(args) -> int:
     return run_console(ws, read_only=args.read_only)
 
 
-COMMANDS = {"init": cmd_init, "check": cmd_check, "run": cmd_run, "status": cmd_status}
+def cmd_server(args) -> int:
+    from engine.server.manager import ServerManager, ServerStartError
+
+    ws = _open_workspace(args)
+    manager = ServerManager(ws)
+    if args.action == "command":
+        spec = manager.spec(capture=not args.no_capture)
+        print("# environment set for the server (plus your own environment)")
+        for key, value in spec.redacted_env_set().items():
+            print(f"export {key}={value}")
+        print("# command")
+        import shlex
+
+        print(" ".join(shlex.quote(a) for a in spec.redacted_argv()))
+        for note in spec.notes:
+            print(f"# {note}")
+        return 0
+    if args.action == "logs":
+        print("\n".join(manager.logs(args.lines)))
+        return 0
+    if args.action in ("start", "stop"):
+        from engine.workspace import WorkspaceLock
+
+        probe = WorkspaceLock(ws.root)
+        if not probe.acquire():
+            holder = probe.holder()
+            return _fail(f"{holder.describe() if holder else 'another console'} drives this workspace: "
+                         f"{args.action} the server from that console")
+    try:
+        if args.action == "start":
+            print(f"starting {ws.config.model.backend} server…", flush=True)
+            status = asyncio.run(manager.start(capture=not args.no_capture))
+        elif args.action == "stop":
+            status = asyncio.run(manager.stop())
+        else:
+            status = asyncio.run(manager.poll())
+    except ServerStartError as exc:
+        print(f"eagle3-console: error: {exc}", file=sys.stderr)
+        for line in exc.log_tail[-10:]:
+            print(f"  | {line}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status.to_dict(), indent=2))
+    else:
+        _print_server(status)
+    return 0 if status.state in ("ready", "stopped") else 1
+
+
+def _print_server(status) -> None:
+    print(f"server: {status.state}" + (f" ({status.backend}, pid {status.pid}, {status.url})" if status.pid else ""))
+    if status.model:
+        print(f"  model: {status.model}")
+    if status.capture:
+        print(f"  capture: {status.capture}")
+    if status.flags:
+        print("  flags: " + ", ".join(f"{k}={v}" for k, v in status.flags.items()))
+    if status.error:
+        print(f"  error: {status.error}")
+    if status.state == "crashed":
+        for line in status.log_tail:
+            print(f"  | {line}")
+
+
+COMMANDS = {"init": cmd_init, "check": cmd_check, "run": cmd_run, "status": cmd_status, "server": cmd_server}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,14 +33,17 @@ class Stage:
 def _stages() -> list[Stage]:
     from engine.checks.disk import check_disk
     from engine.checks.gpus import check_gpus
+    from engine.checks.capture import check_capture
     from engine.checks.model import check_model
+    from engine.checks.server import check_server
 
     return [
         Stage("gpus", "GPUs & NCCL", "NVML, GPUs visible, compute capability, free memory, NCCL preset", check_gpus),
         Stage("model", "Target model", "config.json, shapes, capture layers, tokenizer + chat template", check_model),
         Stage("dataset", "Dataset", "parse, token lengths, truncation, assistant tokens", None, has_job=True),
-        Stage("server", "Server", "process up, health, capture-safe flags, decode tok/s", None, has_job=True),
-        Stage("capture", "Capture probe", "tokens sent = captured, 0 cached, shapes, finite, argmax", None),
+        Stage("server", "Server", "process up, health, capture-safe flags, decode tok/s", check_server,
+              has_job=True),
+        Stage("capture", "Capture probe", "tokens sent = captured, 0 cached, shapes, finite, argmax", check_capture),
         Stage("disk", "Disk", "output dirs writable, bytes needed fit under free minus reserve", check_disk),
         Stage("extract", "Extraction", "manifest covers every sample and verifies", None, has_job=True),
         Stage("train", "Training", "export loads with SGLang's expected weights", None, has_job=True),

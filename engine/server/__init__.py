@@ -1,0 +1,1 @@
+"""Owning the target server process (local or SGLang): launch, readiness, polling, stop, restart."""

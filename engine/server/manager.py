@@ -1,0 +1,274 @@
+"""The server process the engine owns: start detached, wait for readiness, poll, stop, restart.
+
+The server is a job of kind "server" (engine.jobs), so it survives the console. Which job
+is *the* server, and whether it should be running, is recorded in `<ws>/state/server.json`:
+a crash is a server that should run but does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import atomic
+from engine.jobs import JobInfo, JobManager
+from engine.server.local import build_spec
+from engine.server.spec import LaunchSpec
+
+STATE_FILE = "server.json"
+ACTIVE = ("starting", "running")
+
+
+class ServerStartError(Exception):
+    """The server could not start; the message names the cause and carries the log tail."""
+
+    def __init__(self, message: str, log_tail: list[str] | None = None):
+        super().__init__(message)
+        self.log_tail = log_tail or []
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    state: str  # stopped | starting | ready | unhealthy | crashed
+    backend: str = ""
+    url: str = ""
+    job_id: str | None = None
+    pid: int | None = None
+    uptime_s: float | None = None
+    model: str = ""
+    capture: dict[str, Any] = field(default_factory=dict)
+    flags: dict[str, Any] = field(default_factory=dict)  # capture-relevant server args
+    gen_throughput: float | None = None
+    running_reqs: float | None = None
+    queued_reqs: float | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    cached_tokens_total: float | None = None
+    exit_code: int | None = None
+    restarts: int = 0
+    error: str = ""
+    log_tail: tuple[str, ...] = ()
+    at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        data = asdict(self)
+        data["log_tail"] = list(self.log_tail)
+        return data
+
+
+FLAG_KEYS = ("disable_radix_cache", "speculative_algorithm", "enable_metrics", "chunked_prefill_size",
+             "enable_mixed_chunk", "skip_server_warmup", "tp_size", "dp_size", "attention_backend")
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """None if we can bind host:port, else a description naming who holds it (when visible)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            return None
+        except OSError:
+            pass
+    owner = ""
+    try:
+        import psutil
+
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                owner = f" by pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+                break
+    except Exception:  # permissions or a vanished process: the port is busy either way
+        pass
+    return f"port {port} on {host} is in use{owner}"
+
+
+class ServerManager:
+    def __init__(self, workspace, jobs: JobManager | None = None):
+        self.workspace = workspace
+        self.jobs = jobs or JobManager(workspace.jobs_dir)
+
+    # -- the record of which job is the server
+    @property
+    def _state_path(self):
+        return self.workspace.state_dir / STATE_FILE
+
+    def record(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self._state_path.read_text(encoding="utf-8"))
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _write_record(self, **changes: Any) -> dict[str, Any]:
+        data = {**self.record(), **changes}
+        atomic.write_json(self._state_path, data, mode=0o600)
+        return data
+
+    def job(self) -> JobInfo | None:
+        job_id = self.record().get("job_id")
+        if not job_id:
+            return None
+        try:
+            return self.jobs.get(job_id)
+        except LookupError:
+            return None
+
+    def is_running(self) -> bool:
+        job = self.job()
+        return job is not None and job.state in ACTIVE
+
+    def spec(self, capture: bool = True) -> LaunchSpec:
+        return build_spec(self.workspace, capture=capture)
+
+    def client(self, url: str | None = None):
+        from engine.client import ServerClient
+
+        rec = self.record()
+        return ServerClient(url or rec.get("url") or self.spec().url, api_key=self.workspace.config.server.api_key or None)
+
+    # -- start / stop
+    async def start(self, capture: bool = True, timeout: float | None = None, restarts: int | None = None) -> ServerStatus:
+        """Start the server and wait until it generates; raise ServerStartError fast on failure."""
+        current = self.job()
+        if current is not None and current.state in ACTIVE:
+            return await self.poll()
+        spec = self.spec(capture=capture)
+        busy = port_in_use(spec.host, spec.port)
+        if busy:
+            raise ServerStartError(f"{busy}: stop whatever holds it, or set server.port to a free port")
+        job = self.jobs.start("server", spec.argv, env=spec.env, cwd=self.workspace.root)
+        self._write_record(job_id=job.id, url=spec.url, backend=spec.backend, desired="running",
+                           capture=spec.capture, spool_dir=spec.spool_dir, capture_layers=list(spec.capture_layers),
+                           argv=spec.redacted_argv(), env=spec.redacted_env_set(), started_at=time.time(),
+                           restarts=self.record().get("restarts", 0) if restarts is None else restarts)
+        await self.wait_ready(job.id, spec.url, timeout or self.workspace.config.server.startup_timeout_s)
+        return await self.poll()
+
+    async def wait_ready(self, job_id: str, url: str, timeout: float) -> None:
+        client = self.client(url)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                job = await asyncio.to_thread(self.jobs.get, job_id)
+                if job.state not in ACTIVE:
+                    tail = self.jobs.tail(job_id, 20)
+                    reason = _failure_reason(tail) or f"server exited with code {job.exit_code}"
+                    raise ServerStartError(f"server failed to start: {reason}", tail)
+                try:
+                    await client.health_generate()
+                    return
+                except Exception:
+                    pass
+                if time.monotonic() > deadline:
+                    tail = self.jobs.tail(job_id, 20)
+                    await self.jobs.stop(job_id, grace=5)
+                    raise ServerStartError(
+                        f"server not ready after {timeout:.0f}s (stopped it): see the log; raise "
+                        "server.startup_timeout_s if the model is large", tail)
+                await asyncio.sleep(0.25)
+        finally:
+            await client.aclose()
+
+    async def stop(self, grace: float = 15.0) -> ServerStatus:
+        self._write_record(desired="stopped")
+        job = self.job()
+        if job is not None and job.state in ACTIVE:
+            await self.jobs.stop(job.id, grace=grace)
+        return await self.poll()
+
+    async def ensure_running(self) -> ServerStatus:
+        """Restart a server that should run but crashed (restart policy permitting)."""
+        status = await self.poll()
+        if status.state == "crashed" and self.workspace.config.server.restart_on_crash:
+            return await self.start(capture=bool(self.record().get("capture", True)),
+                                    restarts=int(self.record().get("restarts", 0)) + 1)
+        return status
+
+    # -- polling
+    async def poll(self) -> ServerStatus:
+        rec = self.record()
+        job = await asyncio.to_thread(self.job)
+        base = dict(backend=rec.get("backend", ""), url=rec.get("url", ""), restarts=int(rec.get("restarts", 0)))
+        if job is None:
+            return ServerStatus(state="stopped", **base)
+        base.update(job_id=job.id, pid=job.pid)
+        if job.state not in ACTIVE:
+            tail = tuple(job.last_log_lines or self.jobs.tail(job.id, 10))
+            crashed = rec.get("desired") == "running"
+            return ServerStatus(state="crashed" if crashed else "stopped", exit_code=job.exit_code, log_tail=tail,
+                                error=(_failure_reason(list(tail)) if crashed else ""), **base)
+        base["uptime_s"] = time.time() - job.started_at if job.started_at else None
+        client = self.client(rec.get("url"))
+        try:
+            info = await client.server_info()
+            metrics = await client.metrics()
+        except Exception as exc:
+            return ServerStatus(state="starting" if (base["uptime_s"] or 0) < 5 else "unhealthy", error=str(exc)[:300],
+                                log_tail=tuple(self.jobs.tail(job.id, 10)), **base)
+        finally:
+            await client.aclose()
+        return ServerStatus(
+            state="ready", model=str(info.get("model_path", "")), capture=dict(info.get("capture") or {}),
+            flags={k: info.get(k) for k in FLAG_KEYS if k in info},
+            gen_throughput=metrics.get("sglang:gen_throughput"),
+            running_reqs=metrics.get("sglang:num_running_reqs"),
+            queued_reqs=metrics.get("sglang:num_queue_reqs"),
+            prompt_tokens_total=metrics.get("sglang:prompt_tokens_total"),
+            generation_tokens_total=metrics.get("sglang:generation_tokens_total"),
+            cached_tokens_total=metrics.get("sglang:cached_tokens_total"),
+            log_tail=tuple(self.jobs.tail(job.id, 10)), **base,
+        )
+
+    async def watch(self, callback, interval: float = 1.0) -> None:
+        """Poll forever; restart a crashed server when the policy allows (one poller, self-rescheduling)."""
+        while True:
+            started = time.monotonic()
+            try:
+                status = await self.poll()
+                if status.state == "crashed" and self.workspace.config.server.restart_on_crash:
+                    callback(status)
+                    try:
+                        status = await self.ensure_running()
+                    except ServerStartError as exc:
+                        self._write_record(desired="stopped")
+                        status = ServerStatus(state="crashed", error=f"restart failed: {exc}",
+                                              log_tail=tuple(exc.log_tail))
+                callback(status)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the watcher must outlive any single failure
+                callback(ServerStatus(state="unhealthy", error=f"poll failed: {exc}"))
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def logs(self, n: int = 50) -> list[str]:
+        job = self.job()
+        return self.jobs.tail(job.id, n) if job else []
+
+
+_KNOWN_FAILURES = (
+    ("model path", None),
+    ("is in use", None),
+    ("out of memory", "out of GPU memory: lower mem fraction, use more GPUs (tp_size) or a smaller model"),
+    ("CUDA error", None),
+    ("No module named", "a Python package is missing on this machine"),
+)
+
+
+def _failure_reason(tail: list[str]) -> str:
+    """The most telling log line: a known failure if one appears, else the last non-empty line."""
+    for line in reversed(tail):
+        low = line.lower()
+        for needle, explanation in _KNOWN_FAILURES:
+            if needle.lower() in low:
+                return f"{line.strip()}" + (f" ({explanation})" if explanation else "")
+    for line in reversed(tail):
+        if line.strip():
+            return line.strip()
+    return ""
