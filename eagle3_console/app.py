@@ -1,0 +1,280 @@
+"""The Textual console: five panes over one engine.
+
+The app owns no state of its own beyond the view: the engine samples GPUs and disks, runs
+checks and watches jobs, and publishes events; the app turns each into a message for the
+pane that shows it. Check runs go through workers, so the UI never waits on a check.
+Quitting closes the view only: jobs are detached processes that keep running.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterable
+
+from textual import work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import Footer, Tab, Tabs
+from textual.worker import Worker, WorkerState
+
+from eagle3_console.header import ConsoleHeader
+from eagle3_console.help import HelpScreen
+from eagle3_console.layout import WIDE_MIN_COLUMNS, PaneDeck
+from eagle3_console.messages import DiskChanged, GpuChanged, JobsChanged, RunChecks, StageChanged
+from eagle3_console.panes import ExtractionPane, GpuPane, PipelinePane, ServerPane, TrainingPane
+
+# (tab id, tab label); the number keys follow this order.
+TABS: list[tuple[str, str]] = [
+    ("gpus", "GPUs"),
+    ("server", "Server"),
+    ("pipeline", "Pipeline"),
+    ("extraction", "Extraction"),
+    ("training", "Training"),
+]
+SHIPPED_THEMES = ("eagle3-dark", "eagle3-light", "eagle3-contrast")
+
+
+class ConsoleApp(App[int]):
+    """The eagle3 console. `engine` is an engine.core.Engine (driving or read-only)."""
+
+    TITLE = "eagle3-console"
+    CSS = """
+    Screen { layout: vertical; }
+    #tabs.-hidden { display: none; }
+    """
+    BINDINGS = [
+        Binding("q", "quit", "Quit", tooltip="Close the console; jobs keep running", id="quit"),
+        Binding("r", "run_selected", "Run stage", tooltip="Run the checks of the selected stage", id="run-stage"),
+        Binding("R", "run_all", "Run all", tooltip="Run every stage's checks in order", id="run-all"),
+        Binding("t", "cycle_theme", "Theme", tooltip="Switch to the next theme", id="theme"),
+        Binding("question_mark", "help", "Help", key_display="?", id="help"),
+        *[Binding(str(i), f"show_tab('{tab}')", label, show=False, id=f"tab-{tab}")
+          for i, (tab, label) in enumerate(TABS, start=1)],
+    ]
+
+    def __init__(self, engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.workspace = engine.workspace
+        self._unsubscribe = None
+        self._closed = False
+        self.theme_errors: list[str] = []
+        self.theme_names = self._register_themes()
+        wanted = self.engine.config.ui.theme
+        self._theme_warning = ""
+        if wanted in self.available_themes:
+            self.theme = wanted
+        else:
+            self._theme_warning = (f"theme '{wanted}' (ui.theme) is not installed; using eagle3-dark. "
+                                   f"Installed: {', '.join(self.theme_names)}")
+            self.theme = "eagle3-dark"
+        self._saved_theme = wanted
+
+    # -- setup
+    def _register_themes(self) -> list[str]:
+        """Shipped themes, then user themes from <workspace>/themes/*.toml (bad files reported)."""
+        from themes import load_theme_dir, load_themes
+
+        names = []
+        for theme in load_themes():
+            self.register_theme(theme)
+            names.append(theme.name)
+        report = load_theme_dir(self.workspace.root / "themes")
+        for theme in report.themes:
+            self.register_theme(theme)
+            if theme.name not in names:
+                names.append(theme.name)
+        self.theme_errors = report.errors
+        # Shipped order first (dark, light, contrast), then user themes alphabetically.
+        return [n for n in SHIPPED_THEMES if n in names] + sorted(n for n in names if n not in SHIPPED_THEMES)
+
+    def compose(self) -> ComposeResult:
+        engine = self.engine
+        holder = None
+        if engine.read_only:
+            holder = engine.lock_holder.describe() if engine.lock_holder else "another console"
+        yield ConsoleHeader(self.workspace.root, holder, id="header")
+        yield Tabs(*[Tab(f"{i} {label}", id=tab) for i, (tab, label) in enumerate(TABS, start=1)],
+                   active="pipeline", id="tabs")
+        from engine.pipeline import stages
+
+        with PaneDeck(id="deck", classes="-narrow"):
+            yield GpuPane(nccl_preset=engine.config.gpu.nccl_preset, disable_nvls=engine.config.gpu.disable_nvls)
+            yield ServerPane()
+            yield PipelinePane(stages(), engine.reports())
+            yield ExtractionPane()
+            yield TrainingPane()
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self._apply_layout(self.size.width)
+        self.query_one(PaneDeck).activate("pipeline")
+        self.query_one("#stage-table").focus()
+        self._unsubscribe = self.engine.subscribe(self._on_engine_event)
+        self.theme_changed_signal.subscribe(self, self._on_theme_changed)
+        for error in self.theme_errors:
+            self.notify(error, title="theme file skipped", severity="warning", timeout=10)
+        if self._theme_warning:
+            self.notify(self._theme_warning, severity="warning", timeout=10)
+        if self.engine.gpu_snapshot is not None:
+            self.query_one(GpuPane).post_message(GpuChanged(self.engine.gpu_snapshot))
+        await self.engine.start()
+
+    async def on_unmount(self) -> None:
+        await self.close_engine()
+
+    async def close_engine(self) -> None:
+        """Stop the engine's pollers and release the lock; jobs are left running."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        await self.engine.close()
+
+    # -- engine events -> pane messages
+    def _on_engine_event(self, event) -> None:
+        from engine.events import DiskUpdated, GpuUpdated, JobsUpdated, Notice, StageUpdated
+
+        if isinstance(event, GpuUpdated):
+            self.query_one(GpuPane).post_message(GpuChanged(event.snapshot))
+        elif isinstance(event, DiskUpdated):
+            self.query_one(ExtractionPane).post_message(DiskChanged(event.usages))
+        elif isinstance(event, StageUpdated):
+            self.query_one(PipelinePane).post_message(StageChanged(event.report))
+        elif isinstance(event, JobsUpdated):
+            self.post_message(JobsChanged(event.jobs))
+        elif isinstance(event, Notice):
+            severity = event.level if event.level in ("information", "warning", "error") else "information"
+            self.notify(event.text, severity=severity)
+
+    def on_jobs_changed(self, message: JobsChanged) -> None:
+        running = sum(1 for job in message.jobs if job.state in ("starting", "running"))
+        self.query_one(ConsoleHeader).set_running_jobs(running)
+
+    # -- layout
+    def on_resize(self, event) -> None:
+        self._apply_layout(event.size.width)
+
+    def _apply_layout(self, width: int) -> None:
+        wide = width >= WIDE_MIN_COLUMNS
+        self.query_one(PaneDeck).set_wide(wide)
+        self.query_one("#tabs", Tabs).set_class(wide, "-hidden")
+
+    def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
+        if event.tab is not None and event.tab.id:
+            self.query_one(PaneDeck).activate(event.tab.id)
+
+    # -- actions
+    def action_show_tab(self, tab: str) -> None:
+        """Switch to a tab (narrow) or move focus into that pane (wide)."""
+        deck = self.query_one(PaneDeck)
+        self.query_one("#tabs", Tabs).active = tab
+        deck.activate(tab)
+        if tab == "pipeline":
+            self.query_one("#stage-table").focus()
+        elif not deck.wide:
+            self.query_one("#tabs", Tabs).focus()
+
+    def action_run_selected(self) -> None:
+        self.run_checks([self.query_one(PipelinePane).selected_stage])
+
+    def action_run_all(self) -> None:
+        self.run_checks(None)
+
+    def action_cycle_theme(self) -> None:
+        names = self.theme_names
+        current = names.index(self.theme) if self.theme in names else -1
+        self.theme = names[(current + 1) % len(names)]
+        self.notify(f"theme: {self.theme}", timeout=2)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    async def action_quit(self) -> None:
+        await self.close_engine()
+        self.exit(0)
+
+    # -- checks
+    def on_run_checks(self, message: RunChecks) -> None:
+        self.run_checks(message.names)
+
+    def run_checks(self, names: list[str] | None) -> None:
+        """Run stage checks in a worker; a stage already being checked is not started twice."""
+        reports = self.engine.pipeline.reports
+        if names is not None:
+            busy = [n for n in names if reports[n].state.value == "running"]
+            names = [n for n in names if n not in busy]
+            if busy:
+                self.notify(f"already checking: {', '.join(busy)}", timeout=3)
+            if not names:
+                return
+        what = ", ".join(names) if names else "all stages"
+        self.run_worker(self.engine.run_checks(names), group="checks", exit_on_error=False,
+                        description=f"checking {what}")
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.group == "checks" and event.state is WorkerState.ERROR:
+            self.notify(f"{event.worker.description} failed: {event.worker.error}", severity="error", timeout=10)
+
+    # -- themes
+    def _on_theme_changed(self, theme) -> None:
+        if theme.name == self._saved_theme:
+            return
+        if self.engine.read_only:
+            self._saved_theme = theme.name  # remembered for this session only
+            return
+        self._saved_theme = theme.name
+        self._save_theme(theme.name)
+
+    @work(thread=True, group="config", exclusive=True, exit_on_error=False)
+    def _save_theme(self, name: str) -> None:
+        """Write ui.theme to console.toml, re-reading the file so edits made meanwhile survive."""
+        from engine.config import ConfigError, load_config, set_value
+
+        ws = self.workspace
+        try:
+            config = set_value(load_config(ws.root), "ui.theme", name)
+            ws.save_config(config)
+        except (ConfigError, OSError) as exc:
+            self.call_from_thread(self.notify, f"theme not saved: {exc}", severity="warning", timeout=10)
+
+    # -- command palette
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Run stage checks", "Run the checks of the selected pipeline stage (r)",
+                            self.action_run_selected)
+        yield SystemCommand("Run all checks", "Run every stage's checks in pipeline order (R)", self.action_run_all)
+        yield SystemCommand("Next theme", "Cycle eagle3-dark → light → contrast (t)", self.action_cycle_theme)
+        yield SystemCommand("Keys and help", "Show every key binding (?)", self.action_help)
+        for i, (tab, label) in enumerate(TABS, start=1):
+            yield SystemCommand(f"Show {label}", f"Switch to the {label} pane ({i})", partial(self.action_show_tab, tab))
+        yield SystemCommand("Close console (jobs keep running)", "Quit the console; jobs keep running (q)",
+                            self.action_quit)
+
+
+def closing_summary(engine) -> str:
+    """What the user sees after the console closes: which jobs are still running."""
+    try:
+        jobs = engine.jobs.active()
+    except OSError as exc:
+        return f"Console closed. Could not list jobs: {exc}"
+    if not jobs:
+        return "Console closed. No jobs running."
+    listed = ", ".join(f"{job.id} ({job.kind}, pid {job.pid})" for job in jobs)
+    return (f"Console closed. {len(jobs)} job(s) still running: {listed}. "
+            f"Re-attach with `eagle3-console -w {engine.workspace.root}`.")
+
+
+def run_console(ws, read_only: bool = False) -> int:
+    """Run the console on a workspace until the user quits; returns the exit code."""
+    from engine.core import Engine
+
+    engine = Engine(ws, drive=not read_only)
+    app = ConsoleApp(engine)
+    app.run()
+    print(closing_summary(engine), flush=True)
+    code = app.return_code
+    return 0 if code is None else code

@@ -1,0 +1,61 @@
+"""The top line: workspace path, who drives it, and how many jobs run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.widgets import Static
+
+from eagle3_console.render import esc
+
+
+def short_path(path: Path) -> str:
+    """`path` with the home directory shown as ~ (keeps the header on one line more often)."""
+    try:
+        return "~/" + str(path.relative_to(Path.home()))
+    except ValueError:
+        return str(path)
+
+
+class ConsoleHeader(Static):
+    """Workspace, driver/read-only state and running-job count."""
+
+    DEFAULT_CSS = """
+    ConsoleHeader {
+        height: auto;
+        background: $panel;
+        color: $foreground;
+        padding: 0 1;
+    }
+    """
+
+    def __init__(self, workspace: Path, read_only_by: str | None, **kwargs) -> None:
+        super().__init__("", **kwargs)
+        self.workspace = workspace
+        self.read_only_by = read_only_by  # None: this console drives the workspace
+        self.running_jobs = 0
+
+    def on_mount(self) -> None:
+        self._render_line()
+
+    def set_running_jobs(self, count: int) -> None:
+        if count != self.running_jobs:
+            self.running_jobs = count
+            self._render_line()
+
+    @property
+    def line(self) -> str:
+        """The header as plain words (no markup)."""
+        return self.render_line_markup(plain=True)
+
+    def render_line_markup(self, plain: bool = False) -> str:
+        mode = ("read-only: driven by " + self.read_only_by) if self.read_only_by else "driving"
+        jobs = f"{self.running_jobs} job(s) running" if self.running_jobs else "no jobs running"
+        if plain:
+            return f"eagle3-console {short_path(self.workspace)} · {mode} · {jobs}"
+        mode_colour = "$warning" if self.read_only_by else "$success"
+        return (f"[b]eagle3-console[/b] {esc(short_path(self.workspace))} · [{mode_colour}]{esc(mode)}[/]"
+                f" · [$text-muted]{jobs}[/]")
+
+    def _render_line(self) -> None:
+        self.update(self.render_line_markup())

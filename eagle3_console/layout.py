@@ -1,0 +1,43 @@
+"""The pane deck: one tab at a time on narrow terminals, all five in a grid on wide ones.
+
+Both layouts use the same five pane widgets, so switching on resize keeps every pane's
+state (cursor, scroll, last sample). Textual's TabbedContent is not used because its
+ContentSwitcher hides inactive panes with inline styles and re-activates a tab whenever a
+pane gains focus, which fights an all-panes-visible grid; a `Tabs` bar over this deck gives
+the same keys and looks without that conflict.
+"""
+
+from __future__ import annotations
+
+from textual.containers import Container
+
+WIDE_MIN_COLUMNS = 160
+
+
+class PaneDeck(Container):
+    """Holds the panes. Class `-narrow`: only the `-active` pane shows; `-wide`: a 3×2 grid."""
+
+    DEFAULT_CSS = """
+    PaneDeck { height: 1fr; }
+    PaneDeck.-narrow > .pane { display: none; }
+    PaneDeck.-narrow > .pane.-active { display: block; }
+    PaneDeck.-wide {
+        layout: grid;
+        grid-size: 3 2;
+        grid-columns: 1fr 1fr 1fr;
+        grid-rows: 1fr 1fr;
+    }
+    PaneDeck.-wide > PipelinePane { row-span: 2; }
+    """
+
+    def set_wide(self, wide: bool) -> None:
+        self.set_class(wide, "-wide")
+        self.set_class(not wide, "-narrow")
+
+    @property
+    def wide(self) -> bool:
+        return self.has_class("-wide")
+
+    def activate(self, pane_id: str) -> None:
+        for pane in self.query(".pane"):
+            pane.set_class(pane.id == f"pane-{pane_id}", "-active")

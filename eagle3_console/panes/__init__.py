@@ -1,0 +1,9 @@
+"""The console's five panes, one small widget per module."""
+
+from eagle3_console.panes.extraction import ExtractionPane
+from eagle3_console.panes.gpu import GpuPane
+from eagle3_console.panes.pipeline import PipelinePane
+from eagle3_console.panes.server import ServerPane
+from eagle3_console.panes.training import TrainingPane
+
+__all__ = ["ExtractionPane", "GpuPane", "PipelinePane", "ServerPane", "TrainingPane"]

@@ -1,0 +1,133 @@
+"""GPU pane: one compact row per GPU, then the interconnect and the NCCL environment."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.widgets import Static
+
+from eagle3_console.messages import GpuChanged
+from eagle3_console.panes.base import Pane
+from eagle3_console.render import bar, clip, esc, level_colour
+
+GIB = 2**30
+
+
+def _mem_text(used: int | None, total: int | None) -> str:
+    if used is None or total is None:
+        return "?/?"
+    return f"{used / GIB:.1f}/{total / GIB:.0f}G"
+
+
+def _pct(value: int | float | None) -> str:
+    return "  ? " if value is None else f"{value:>3.0f}%"
+
+
+def gpu_rows(snapshot, width: int) -> list[str]:
+    """Markup lines for the GPU table at `width` cells: narrow widths drop power and clock."""
+    show_extra = width >= 64
+    name_w = 12 if width >= 72 else 8
+    fixed = 3 + name_w + 1 + 5 + 1 + 11 + 1 + 5 + (14 if show_extra else 0) + 4
+    bar_w = max(4, (width - fixed) // 2)
+    head = f"{'#':>2} {'name':<{name_w}} {'util':<{bar_w + 5}} {'memory':<{bar_w + 12}} {'temp':>4}"
+    if show_extra:
+        head += f" {'power':>5} {'clock':>7}"
+    lines = [f"[$text-muted]{head}[/]"]
+    for gpu in snapshot.gpus:
+        mem_pct = None
+        if gpu.memory_used is not None and gpu.memory_total:
+            mem_pct = 100.0 * gpu.memory_used / gpu.memory_total
+        util = gpu.utilization_gpu
+        temp = gpu.temperature_c
+        temp_text = f"[{level_colour(temp, 75, 85)}]{'?' if temp is None else temp:>2}°C[/]"
+        row = (
+            f"{gpu.index:>2} {esc(clip(gpu.name.replace('NVIDIA ', ''), name_w)):<{name_w}} "
+            f"{bar(None if util is None else util / 100, bar_w)}{_pct(util)} "
+            f"{bar(None if mem_pct is None else mem_pct / 100, bar_w, level_colour(mem_pct, 80, 95))}"
+            f"{_mem_text(gpu.memory_used, gpu.memory_total):>11} {temp_text:>4}"
+        )
+        if show_extra:
+            power = "   ?W" if gpu.power_w is None else f"{gpu.power_w:>4.0f}W"
+            clock = "     ? " if gpu.sm_clock_mhz is None else f"{gpu.sm_clock_mhz:>4}MHz"
+            row += f" {power} {clock:>7}"
+        lines.append(row)
+    return lines
+
+
+def nccl_lines(preset: str, disable_nvls: bool, suggested: str | None) -> list[str]:
+    """The preset and the NCCL variables a child process would get."""
+    from engine.nccl import build_child_env, effective_nccl_vars
+
+    try:
+        env = effective_nccl_vars(build_child_env(preset, disable_nvls=disable_nvls))
+    except ValueError as exc:
+        return [f"[$error]NCCL preset: {esc(exc)}[/]", "[$text-muted]fix: set gpu.nccl_preset in console.toml[/]"]
+    hint = ""
+    if suggested and suggested != preset:
+        hint = f"  [$warning](suggested for these GPUs: {esc(suggested)})[/]"
+    lines = [f"NCCL preset [b]{esc(preset)}[/b]{hint}"]
+    if env:
+        lines.append("  " + "  ".join(f"[$text-muted]{esc(k)}=[/]{esc(v)}" for k, v in env.items()))
+    else:
+        lines.append("  [$text-muted]no NCCL variables set[/]")
+    return lines
+
+
+class GpuPane(Pane):
+    """GPUs (NVML), interconnect and NCCL settings; shows why when NVML is unavailable."""
+
+    PANE_ID = "gpus"
+    TITLE = "GPUs & NCCL"
+    DEFAULT_CSS = """
+    GpuPane #gpu-table { height: auto; }
+    GpuPane #gpu-status { height: auto; margin-bottom: 1; }
+    GpuPane #gpu-nccl { height: auto; }
+    """
+
+    def __init__(self, nccl_preset: str = "none", disable_nvls: bool = True, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.nccl_preset = nccl_preset
+        self.disable_nvls = disable_nvls
+        self.snapshot = None
+
+    def compose(self) -> ComposeResult:
+        yield Static("[$text-muted]sampling GPUs…[/]", id="gpu-status")
+        yield Static("", id="gpu-table")
+        yield Static("", id="gpu-nccl")
+
+    def on_mount(self) -> None:
+        self._render_snapshot()
+
+    def on_gpu_changed(self, message: GpuChanged) -> None:
+        self.snapshot = message.snapshot
+        self._render_snapshot()
+
+    def on_resize(self) -> None:
+        self._render_snapshot()
+
+    def _render_snapshot(self) -> None:
+        snap = self.snapshot
+        status = self.query_one("#gpu-status", Static)
+        table = self.query_one("#gpu-table", Static)
+        suggested = None
+        if snap is None:
+            status.update("[$text-muted]sampling GPUs…[/]")
+            table.display = False
+        elif not snap.available:
+            status.update(f"[$warning]{esc(snap.reason)}[/]\n"
+                          "[$text-muted]GPU rows appear here once NVML answers (driver loaded, GPUs visible).[/]")
+            table.display = False
+        else:
+            from engine.nccl import suggest_preset
+
+            first = snap.gpus[0]
+            suggested = suggest_preset(first.compute_capability, snap.interconnect)
+            cuda = f" · CUDA {esc(snap.cuda_driver_version)}" if snap.cuda_driver_version else ""
+            status.update(f"{len(snap.gpus)} × {esc(first.architecture)} · interconnect [b]{esc(snap.interconnect)}[/b]"
+                          f" · driver {esc(snap.driver_version or '?')}{cuda}")
+            table.display = True
+            width = max(40, self.content_region.width or 78)
+            table.update("\n".join(gpu_rows(snap, width)))
+        lines = nccl_lines(self.nccl_preset, self.disable_nvls, suggested)
+        if snap is not None and not snap.available:
+            lines.insert(0, "interconnect [$text-muted]unknown (no NVML)[/]")
+        self.query_one("#gpu-nccl", Static).update("\n".join(lines))

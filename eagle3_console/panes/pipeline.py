@@ -1,0 +1,161 @@
+"""Pipeline pane: the stages in order, each green only when its checks passed, with evidence.
+
+The table lists the nine stages; the detail area below shows every check of the highlighted
+stage with its evidence and fix. Enter (or `r`) asks the app to re-run that stage's checks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import DataTable, Static
+
+from eagle3_console.messages import RunChecks, StageChanged
+from eagle3_console.panes.base import Pane
+from eagle3_console.render import clip, esc
+
+GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-"}
+STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
+# Theme variable per state: the table resolves them through the current theme.
+STATE_COLOURS = {"passed": "success", "warned": "warning", "failed": "error", "pending": "text-muted",
+                 "running": "primary", "unavailable": "text-muted"}
+STATUS_COLOURS = {"pass": "success", "warn": "warning", "fail": "error"}
+
+
+def last_evidence(report) -> str:
+    """The one line that best explains a stage: the first failure, else warning, else a summary."""
+    for wanted in ("fail", "warn"):
+        for result in report.results:
+            if result.status.value == wanted:
+                return f"{result.name}: {result.evidence}"
+    if report.results:
+        return f"{len(report.results)} check(s) passed"
+    return report.note
+
+
+def detail_markup(stage, report) -> str:
+    """Every check of a stage, with evidence and fix."""
+    state = report.state.value
+    colour = STATE_COLOURS.get(state, "text-muted")
+    when = ""
+    if report.ran_at:
+        when = f" · checked {time.strftime('%H:%M:%S', time.localtime(report.ran_at))}"
+    lines = [
+        f"[b]{esc(stage.title)}[/b] [$text-muted]({esc(stage.name)})[/] [${colour}]{GLYPHS.get(state, '?')} {state}[/]"
+        f"[$text-muted]{when}[/]",
+        f"[$text-muted]{esc(stage.description)}[/]",
+    ]
+    if not report.results:
+        lines.append(f"[$text-muted]{esc(report.note or 'not run yet')} — press Enter or r to check[/]"
+                     if state == "pending" else f"[$text-muted]{esc(report.note)}[/]")
+    for result in report.results:
+        status = result.status.value
+        lines.append(f"[${STATUS_COLOURS[status]}]{STATUS_GLYPHS[status]}[/] [b]{esc(result.name)}[/b]: "
+                     f"{esc(result.evidence)}")
+        if result.fix:
+            lines.append(f"   [$text-muted]fix:[/] {esc(result.fix)}")
+    return "\n".join(lines)
+
+
+class StageTable(DataTable):
+    """The stage list; Enter is "run this stage's checks" (DataTable's row selection)."""
+
+    DEFAULT_CSS = """
+    StageTable { height: auto; max-height: 11; background: $surface; overflow-x: hidden; }
+    """
+
+
+class PipelinePane(Pane):
+    """Stage checklist plus the highlighted stage's checks."""
+
+    PANE_ID = "pipeline"
+    TITLE = "Pipeline"
+    DEFAULT_CSS = """
+    PipelinePane #stage-detail-scroll { height: 1fr; min-height: 3; margin-top: 1; }
+    PipelinePane #stage-detail { height: auto; }
+    """
+
+    def __init__(self, stages: list, reports: list, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.stages = {s.name: s for s in stages}
+        self.order = [s.name for s in stages]
+        self.reports = {r.stage: r for r in reports}
+
+    def compose(self) -> ComposeResult:
+        yield StageTable(id="stage-table", cursor_type="row", show_cursor=True)
+        with VerticalScroll(id="stage-detail-scroll", can_focus=False):
+            yield Static("", id="stage-detail")
+
+    def on_mount(self) -> None:
+        self._rebuild()
+        self._render_detail()
+        self.app.theme_changed_signal.subscribe(self, lambda _theme: self._rebuild())
+
+    # -- public API
+    @property
+    def selected_stage(self) -> str:
+        table = self.query_one(StageTable)
+        row = max(0, min(table.cursor_row, len(self.order) - 1))
+        return self.order[row]
+
+    def select_stage(self, name: str) -> None:
+        self.query_one(StageTable).move_cursor(row=self.order.index(name))
+
+    def row_text(self, name: str) -> str:
+        """The visible cells of one stage's row, joined by spaces (used by tests and the CLI)."""
+        return " ".join(str(cell) for cell in self.query_one(StageTable).get_row(name))
+
+    # -- events
+    def on_stage_changed(self, message: StageChanged) -> None:
+        report = message.report
+        self.reports[report.stage] = report
+        table = self.query_one(StageTable)
+        for key, value in zip(("glyph", "stage", "state", "evidence"), self._cells(report)):
+            table.update_cell(report.stage, key, value)
+        if report.stage == self.selected_stage:
+            self._render_detail()
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        event.stop()
+        self._render_detail()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.post_message(RunChecks([str(event.row_key.value)]))
+
+    def on_resize(self) -> None:
+        self._rebuild()
+
+    # -- rendering
+    def _evidence_width(self) -> int:
+        return max(12, (self.content_region.width or 78) - 1 - 9 - 11 - 8)
+
+    def _cells(self, report) -> tuple[Text, str, Text, str]:
+        state = report.state.value
+        style = self.app.theme_variables.get(STATE_COLOURS.get(state, "text-muted"), "")
+        return (
+            Text(GLYPHS.get(state, "?"), style=style),
+            report.stage,
+            Text(state, style=style),
+            clip(last_evidence(report).replace("\n", " "), self._evidence_width()),
+        )
+
+    def _rebuild(self) -> None:
+        """Re-create columns and rows: on mount, on resize (evidence width) and on theme change."""
+        table = self.query_one(StageTable)
+        row = table.cursor_row
+        table.clear(columns=True)
+        table.add_column("", key="glyph", width=1)
+        table.add_column("stage", key="stage", width=9)
+        table.add_column("state", key="state", width=11)
+        table.add_column("last evidence", key="evidence", width=self._evidence_width())
+        for name in self.order:
+            table.add_row(*self._cells(self.reports[name]), key=name)
+        table.move_cursor(row=max(0, row), animate=False)
+
+    def _render_detail(self) -> None:
+        name = self.selected_stage
+        self.query_one("#stage-detail", Static).update(detail_markup(self.stages[name], self.reports[name]))

@@ -1,0 +1,49 @@
+"""Small text renderers shared by the panes: bars and levels, as Textual content markup.
+
+Colours are theme variables ($success, $warning, ...) so every theme, light ones included,
+colours them correctly.
+"""
+
+from __future__ import annotations
+
+from textual.markup import escape
+
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def bar(fraction: float | None, width: int, colour: str = "$primary") -> str:
+    """A `width`-cell bar in eighth-block resolution; unknown values render as a muted track."""
+    width = max(1, width)
+    if fraction is None:
+        return f"[$text-muted]{'╌' * width}[/]"
+    fraction = min(1.0, max(0.0, fraction))
+    eighths = round(fraction * width * 8)
+    if fraction > 0 and eighths == 0:
+        eighths = 1  # anything above zero shows at least a sliver
+    full, rest = divmod(eighths, 8)
+    filled = "█" * full + (_EIGHTHS[rest] if rest else "")
+    track = "·" * (width - len(filled))
+    return f"[{colour}]{filled}[/][$text-muted]{track}[/]"
+
+
+def level_colour(percent: float | None, warn: float, error: float) -> str:
+    """$success below `warn`, $warning below `error`, else $error; muted when unknown."""
+    if percent is None:
+        return "$text-muted"
+    if percent >= error:
+        return "$error"
+    if percent >= warn:
+        return "$warning"
+    return "$success"
+
+
+def clip(text: str, width: int) -> str:
+    """`text` cut to `width` cells with an ellipsis (plain text; escape afterwards)."""
+    if width <= 0:
+        return ""
+    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
+
+
+def esc(text: object) -> str:
+    """Escape user or engine text for markup (paths may contain brackets)."""
+    return escape(str(text))
