@@ -34,6 +34,7 @@ def _stages() -> list[Stage]:
     from engine.checks.disk import check_disk
     from engine.checks.gpus import check_gpus
     from engine.checks.capture import check_capture
+    from engine.checks.extract import check_extract
     from engine.checks.model import check_model
     from engine.checks.server import check_server
 
@@ -45,7 +46,8 @@ def _stages() -> list[Stage]:
               has_job=True),
         Stage("capture", "Capture probe", "tokens sent = captured, 0 cached, shapes, finite, argmax", check_capture),
         Stage("disk", "Disk", "output dirs writable, bytes needed fit under free minus reserve", check_disk),
-        Stage("extract", "Extraction", "manifest covers every sample and verifies", None, has_job=True),
+        Stage("extract", "Extraction", "manifest covers every sample and verifies", check_extract,
+              has_job=True),
         Stage("train", "Training", "export loads with SGLang's expected weights", None, has_job=True),
         Stage("evaluate", "Evaluation", "acceptance length and speedup measured", None, has_job=True),
     ]

@@ -24,7 +24,7 @@ async def decode_benchmark(client, input_ids: list[int], max_new_tokens: int = 6
     count = 0
     async for chunk in client.generate_stream(input_ids=input_ids, max_new_tokens=max_new_tokens, temperature=0.0):
         now = time.perf_counter()
-        produced = int((chunk.get("meta_info") or {}).get("completion_tokens", count))
+        produced = int(chunk.meta.get("completion_tokens", count))
         if produced > count:
             count = produced
             first = first or now

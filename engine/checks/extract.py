@@ -1,0 +1,65 @@
+"""Stage `extract`: green when the manifest covers every sample and every record verifies."""
+
+from __future__ import annotations
+
+import json
+
+from engine.checks.base import CheckResult, failed, passed, warned
+from engine.checks.context import CheckContext
+from engine.disk import fmt_bytes
+
+START_FIX = "start the extraction: `eagle3-console run extract` or `x` on the Extraction pane"
+
+
+def check_extract(ctx: CheckContext) -> list[CheckResult]:
+    from engine.extract.job import COMPLETE
+    from engine.extract.verify import check_run
+    from engine.jobs import JobManager
+    from engine.records import RecordError, read_run_meta
+
+    run_dir = ctx.workspace.hidden_dir
+    active = JobManager(ctx.workspace.jobs_dir).active("extract")
+    try:
+        meta = read_run_meta(run_dir)
+    except RecordError as exc:
+        if active:
+            return [failed("run", f"extraction job {active[0].id} is planning the run", "wait for it")]
+        return [failed("run", str(exc), START_FIX)]
+    results = [passed("run", f"{run_dir}: {meta.get('num_samples')} samples planned, H={meta.get('hidden_size')}, "
+                             f"layers {meta.get('layers')} (SGLang {meta.get('layers_sglang')})")]
+    check = check_run(run_dir, meta.get("hidden_size"))
+    planned = int(meta.get("num_samples") or 0)
+    try:
+        complete = json.loads((run_dir / COMPLETE).read_text())
+    except (OSError, ValueError):
+        complete = None
+    bad = _bad_count(run_dir)
+    covered = len(check.good)
+    if active:
+        results.append(failed("coverage", f"extraction running (job {active[0].id}): {covered}/{planned} samples",
+                              "wait for the job to finish"))
+    elif complete is None:
+        results.append(failed("coverage", f"{covered}/{planned} samples recorded; the run has not finished",
+                              "resume it: " + START_FIX))
+    elif covered + bad < planned:
+        results.append(failed("coverage", f"{covered} records + {bad} bad < {planned} planned",
+                              "resume the extraction to redo the missing samples"))
+    else:
+        results.append(passed("coverage", f"{covered}/{planned} samples, {check.tokens:,} tokens, "
+                                          f"{fmt_bytes(check.bytes)}"))
+    if check.problems:
+        results.append(failed("verify", f"{len(check.problems)} problem(s): {check.problems[0]}",
+                              "resume the extraction: damaged records are detected and redone"))
+    else:
+        results.append(passed("verify", f"{check.checked} records checked, {check.deep_checked} re-hashed: all intact"))
+    if bad:
+        results.append(warned("bad", f"{bad} sample(s) failed after retries (see bad.jsonl)",
+                              "inspect bad.jsonl; resuming retries them"))
+    return results
+
+
+def _bad_count(run_dir) -> int:
+    try:
+        return sum(1 for line in (run_dir / "bad.jsonl").read_text().splitlines() if line.strip())
+    except OSError:
+        return 0

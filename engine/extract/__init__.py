@@ -1,0 +1,1 @@
+"""The extraction job: every sample through the server with capture on, verified, recorded once."""

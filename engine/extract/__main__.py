@@ -1,0 +1,5 @@
+import sys
+
+from engine.extract.job import main
+
+sys.exit(main())

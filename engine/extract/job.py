@@ -1,0 +1,384 @@
+"""The extraction job (runs detached): `python -m engine.extract --workspace DIR`.
+
+For every planned sample: send it to a server with capture on (prefill only), stitch its
+spool segments, verify (tokens captured = sent, cached = 0, shapes, finite), write the
+record atomically, append the manifest line, release the spool. Several requests are in
+flight, spread over one or more endpoints. A server outage waits (and restarts the server
+the engine owns); a full disk pauses; SIGTERM stops after the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import atomic
+from engine.disk import bytes_per_token, usage_for
+from engine.extract.guard import DiskBudgetError, low_space, require_fit
+from engine.extract.plan import Plan, PlannedSample, build_plan
+from engine.extract.verify import check_run, rewrite_manifest, write_bad
+from engine.records import (
+    RecordError,
+    append_manifest,
+    read_run_meta,
+    save_token_counts,
+    write_record,
+    write_run_meta,
+)
+
+GIB = 2**30
+COMPLETE = "complete.json"
+
+
+class SampleFailed(Exception):
+    """This sample's capture is wrong (retry, then record as bad)."""
+
+
+class Outage(Exception):
+    """The server is unreachable: not the sample's fault, retry it after the server is back."""
+
+
+@dataclass
+class Progress:
+    total: int
+    total_tokens: int
+    done: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    bad: int = 0
+    paused: str = ""
+    started: float = field(default_factory=time.monotonic)
+    session_tokens: int = 0
+    session_bytes: int = 0
+
+
+class Extractor:
+    def __init__(self, workspace, ctx=None, limit: int | None = None):
+        self.ws = workspace
+        self.cfg = workspace.config
+        self.ctx = ctx
+        self.limit = limit
+        self.run_dir: Path = workspace.hidden_dir
+        self.spool: Path = workspace.spool_dir
+        self.tag = secrets.token_hex(3)  # rids unique per session: stale segments never collide
+        self.bad: dict[str, str] = {}
+        self._restart_lock = asyncio.Lock()
+        self.progress: Progress | None = None
+
+    # -- events
+    def event(self, kind: str, **data) -> None:
+        if self.ctx is not None:
+            self.ctx.event(kind, **data)
+        else:
+            print(json.dumps({"type": kind, **data}), flush=True)
+
+    @property
+    def stopping(self) -> bool:
+        return bool(self.ctx is not None and self.ctx.stop_requested)
+
+    # -- setup
+    def _hidden_size(self) -> int:
+        from engine.checks.model import read_model_config
+
+        return int(read_model_config(self.ws.model_dir)["hidden_size"])
+
+    def _layers(self) -> list[int]:
+        from engine.capture.layers import default_capture_layers
+        from engine.config import model_num_layers
+
+        return list(self.cfg.model.capture_layers) or default_capture_layers(model_num_layers(self.ws.model_dir) or 0)
+
+    def _check_run_meta(self, plan: Plan, hidden: int, layers: list[int]) -> None:
+        from engine.capture.layers import to_sglang_numbering
+
+        meta = {"model": str(self.ws.model_dir), "hidden_size": hidden, "layers": layers,
+                "layers_sglang": to_sglang_numbering(layers), "dataset": plan.dataset,
+                "fingerprint": plan.fingerprint, "max_seq_len": self.cfg.dataset.max_seq_len,
+                "num_samples": len(plan.samples), "dtype": "bfloat16"}
+        if (self.run_dir / "run.json").is_file():
+            old = read_run_meta(self.run_dir)
+            for key in ("hidden_size", "layers", "fingerprint", "max_seq_len"):
+                if old.get(key) != meta[key]:
+                    raise DiskBudgetError(  # reuse: a clear refusal before any work
+                        f"run {self.run_dir} was made with {key}={old.get(key)!r}, now {meta[key]!r}: set "
+                        "extract.run to a new name (old records are kept until you release them)")
+        else:
+            write_run_meta(self.run_dir, {**meta, "created_at": time.time()})
+
+    def _endpoints(self) -> list[str]:
+        from engine.server.manager import ServerManager
+
+        primary = ServerManager(self.ws).record().get("url") or f"http://{self.cfg.server.host}:{self.cfg.server.port}"
+        return [primary] + [u for u in self.cfg.extract.endpoints if u != primary]
+
+    # -- disk
+    def _space_paths(self) -> dict[str, tuple[Path, int]]:
+        return {"output": (self.run_dir, int(self.cfg.extract.disk_reserve_gb * GIB)),
+                "spool": (self.spool, int(self.cfg.extract.spool_reserve_gb * GIB))}
+
+    async def wait_for_space(self) -> None:
+        reason = await asyncio.to_thread(low_space, self._space_paths())
+        if not reason:
+            return
+        self.progress.paused = reason
+        self.event("paused", reason=reason)
+        while reason and not self.stopping:
+            await asyncio.sleep(1.0)
+            reason = await asyncio.to_thread(low_space, self._space_paths())
+        self.progress.paused = ""
+        self.event("resumed")
+
+    # -- one sample
+    async def _capture(self, client, sample: PlannedSample, attempt: int, hidden: int):
+        from engine.capture.segments import SegmentError, assemble, release
+        from engine.client import ServerReplyError, ServerUnreachableError
+
+        rid = f"x{sample.index}-{self.tag}-a{attempt}"
+        await asyncio.to_thread(release, self.spool, rid)
+        try:
+            result = await client.generate(input_ids=sample.input_ids, max_new_tokens=0, rid=rid)
+        except ServerUnreachableError as exc:
+            raise Outage(str(exc)) from None
+        except ServerReplyError as exc:
+            if exc.status is not None and exc.status >= 500:
+                raise Outage(str(exc)) from None
+            raise SampleFailed(f"server refused the request: {exc}") from None
+        meta = result.meta
+        try:
+            if meta.get("cached_tokens") != 0:
+                raise SampleFailed(f"cached_tokens={meta.get('cached_tokens')}: the radix cache must be off")
+            if meta.get("prompt_tokens") not in (None, len(sample.input_ids)):
+                raise SampleFailed(f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}")
+            try:
+                cap = await asyncio.to_thread(assemble, self.spool, rid, len(sample.input_ids), sample.input_ids)
+            except (SegmentError, OSError) as exc:
+                raise SampleFailed(str(exc)) from None
+            return cap
+        finally:
+            await asyncio.to_thread(release, self.spool, rid)
+
+    def _write(self, sample: PlannedSample, cap, hidden: int):
+        import torch
+
+        if cap.hidden_state.shape[1] != hidden or cap.aux_hidden_state.shape[1] != 3 * hidden:
+            raise SampleFailed(f"captured widths {cap.aux_hidden_state.shape[1]}/{cap.hidden_state.shape[1]}, "
+                               f"expected {3 * hidden}/{hidden}")
+        if not (torch.isfinite(cap.aux_hidden_state).all() and torch.isfinite(cap.hidden_state).all()):
+            raise SampleFailed("non-finite values in the captured states")
+        entry = write_record(self.run_dir, sample.index, sample.id, torch.tensor(sample.input_ids),
+                             torch.tensor(sample.loss_mask), cap.aux_hidden_state, cap.hidden_state)
+        append_manifest(self.run_dir, entry)
+        return entry
+
+    async def _server_back(self, url: str, primary: bool) -> None:
+        """Wait until the endpoint answers; restart the engine-owned server if it crashed."""
+        from engine.client import ServerClient
+        from engine.server.manager import ServerManager, ServerStartError
+
+        self.event("server_down", url=url)
+        client = ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=10)
+        try:
+            while not self.stopping:
+                if primary:
+                    async with self._restart_lock:
+                        manager = ServerManager(self.ws)
+                        status = await manager.poll()
+                        if status.state == "crashed" and self.cfg.server.restart_on_crash:
+                            self.event("server_restart", exit_code=status.exit_code)
+                            try:
+                                await manager.ensure_running()
+                            except ServerStartError as exc:
+                                self.event("server_restart_failed", reason=str(exc))
+                try:
+                    await client.health_generate()
+                    self.event("server_up", url=url)
+                    return
+                except Exception:
+                    await asyncio.sleep(1.0)
+        finally:
+            await client.aclose()
+
+    async def _process(self, sample: PlannedSample, clients, load, hidden: int) -> None:
+        attempt = 0
+        while not self.stopping:
+            await self.wait_for_space()
+            if self.stopping:
+                return
+            i = min(range(len(clients)), key=lambda k: load[k])
+            load[i] += 1
+            try:
+                cap = await self._capture(clients[i][1], sample, attempt, hidden)
+                entry = await asyncio.to_thread(self._write, sample, cap, hidden)
+            except Outage:
+                load[i] -= 1
+                await self._server_back(clients[i][0], primary=(i == 0))
+                continue
+            except OSError as exc:
+                load[i] -= 1
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    # The atomic write removed its temp file; nothing partial is counted.
+                    self.event("paused", reason=f"disk full while writing {sample.id}")
+                    await asyncio.sleep(1.0)
+                    continue
+                raise
+            except (SampleFailed, RecordError) as exc:
+                load[i] -= 1
+                attempt += 1
+                if attempt > self.cfg.extract.max_retries:
+                    self.bad[sample.id] = str(exc)
+                    self.progress.bad = len(self.bad)
+                    await asyncio.to_thread(write_bad, self.run_dir, self.bad)
+                    self.event("bad_sample", id=sample.id, reason=str(exc))
+                    return
+                self.event("retry", id=sample.id, attempt=attempt, reason=str(exc))
+                continue
+            load[i] -= 1
+            p = self.progress
+            p.done += 1
+            p.tokens += entry.tokens
+            p.bytes += entry.bytes
+            p.session_tokens += entry.tokens
+            p.session_bytes += entry.bytes
+            return
+
+    async def _report(self) -> None:
+        while True:
+            self._emit_progress()
+            await asyncio.sleep(1.0)
+
+    def _emit_progress(self) -> None:
+        p = self.progress
+        elapsed = max(time.monotonic() - p.started, 1e-6)
+        tok_s = p.session_tokens / elapsed
+        remaining = p.total_tokens - p.tokens
+        out = usage_for("output", str(self.run_dir))
+        spool = usage_for("spool", str(self.spool))
+        data = dict(tokens=p.tokens, total_tokens=p.total_tokens, tokens_per_s=round(tok_s, 1),
+                    mb_per_s=round(p.session_bytes / elapsed / 1e6, 2), eta_s=round(remaining / tok_s) if tok_s > 0 else None,
+                    bytes=p.bytes, bad=p.bad, paused=p.paused, output_free=out.free, output_mount=out.mount,
+                    spool_free=spool.free)
+        if self.ctx is not None:
+            self.ctx.progress(p.done, p.total, **data)
+        else:
+            print(json.dumps({"type": "progress", "done": p.done, "total": p.total, **data}), flush=True)
+
+    # -- the run
+    async def run(self) -> int:
+        from engine.client import ServerClient
+
+        hidden = self._hidden_size()
+        layers = self._layers()
+        self.event("planning", dataset=self.cfg.dataset.path)
+        plan = await asyncio.to_thread(build_plan, self.ws, self.limit)
+        if not plan.samples:
+            raise DiskBudgetError(f"dataset {plan.dataset} has no usable sample: run the dataset stage for details")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.spool.mkdir(parents=True, exist_ok=True)
+        self._check_run_meta(plan, hidden, layers)
+
+        check = await asyncio.to_thread(check_run, self.run_dir, hidden)
+        planned = {s.id: s for s in plan.samples}
+        good = [e for e in check.good.values() if e.id in planned and e.tokens == len(planned[e.id].input_ids)]
+        if check.problems or len(good) != len(check.good):
+            await asyncio.to_thread(rewrite_manifest, self.run_dir, good)
+            self.event("resume_repair", problems=check.problems[:20], redo=len(check.problems))
+        done_ids = {e.id for e in good}
+        todo = [s for s in plan.samples if s.id not in done_ids]
+        per_token = bytes_per_token(hidden)
+        needed = sum(len(s.input_ids) for s in todo) * per_token + 512 * len(todo)
+        budget = require_fit(self.run_dir, needed, int(self.cfg.extract.disk_reserve_gb * GIB))
+        self.event("started", samples=len(plan.samples), todo=len(todo), resumed=len(good),
+                   verified=check.checked, hashed=check.deep_checked, budget=budget.message(),
+                   truncated=plan.truncated, bad_lines=plan.bad_lines)
+        self.progress = Progress(total=len(plan.samples), total_tokens=plan.total_tokens, done=len(good),
+                                 tokens=sum(e.tokens for e in good), bytes=sum(e.bytes for e in good))
+
+        clients = [(url, ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=600))
+                   for url in self._endpoints()]
+        load = [0] * len(clients)
+        queue: asyncio.Queue[PlannedSample] = asyncio.Queue()
+        for sample in todo:
+            queue.put_nowait(sample)
+
+        async def worker() -> None:
+            while not self.stopping:
+                try:
+                    sample = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                await self._process(sample, clients, load, hidden)
+
+        reporter = asyncio.create_task(self._report())
+        try:
+            workers = [asyncio.create_task(worker()) for _ in range(self.cfg.extract.concurrency * len(clients))]
+            await asyncio.gather(*workers)
+        finally:
+            reporter.cancel()
+            for _, client in clients:
+                await client.aclose()
+        self._emit_progress()
+        if self.stopping:
+            self.event("stopped", done=self.progress.done, total=self.progress.total)
+            return 0
+        return await asyncio.to_thread(self._finish, plan, hidden)
+
+    def _finish(self, plan: Plan, hidden: int) -> int:
+        import torch
+
+        final = check_run(self.run_dir, hidden)
+        covered = set(final.good)
+        missing = [s.id for s in plan.samples if s.id not in covered and s.id not in self.bad]
+        if missing:
+            self.event("incomplete", missing=missing[:20], count=len(missing))
+            return 3
+        vocab = _vocab_size(self.ws.model_dir)
+        counts = torch.zeros(vocab, dtype=torch.int64)
+        for s in plan.samples:
+            if s.id in covered:
+                ids = torch.tensor(s.input_ids)
+                mask = torch.tensor(s.loss_mask, dtype=torch.bool)
+                counts += torch.bincount(ids[mask], minlength=vocab)[:vocab]
+        save_token_counts(self.run_dir, counts)
+        summary = {"samples": len(covered), "bad": len(self.bad), "tokens": final.tokens, "bytes": final.bytes,
+                   "fingerprint": plan.fingerprint, "finished_at": time.time()}
+        atomic.write_json(self.run_dir / COMPLETE, summary)
+        self.event("finished", **summary)
+        return 0
+
+
+def _vocab_size(model_dir: Path) -> int:
+    from engine.checks.model import read_model_config
+
+    return int(read_model_config(model_dir)["vocab_size"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from engine.config import ConfigError
+    from engine.jobctx import JobContext
+    from engine.workspace import Workspace
+
+    parser = argparse.ArgumentParser(prog="python -m engine.extract")
+    parser.add_argument("--workspace", required=True)
+    parser.add_argument("--limit", type=int, default=None, help="extract only the first N samples")
+    args = parser.parse_args(argv)
+    ctx = None
+    try:
+        ctx = JobContext.from_env()
+        ctx.install_sigterm_handler()
+    except Exception:
+        ctx = None  # run by hand: events go to stdout
+    try:
+        ws = Workspace(args.workspace)
+        return asyncio.run(Extractor(ws, ctx, args.limit).run())
+    except (ConfigError, DiskBudgetError, RecordError) as exc:
+        if ctx is not None:
+            ctx.event("error", message=str(exc))
+        print(f"extraction: error: {exc}", flush=True)
+        return 2
