@@ -151,20 +151,90 @@ def cmd_check(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from engine.workspace import WorkspaceLock
+
     ws = _open_workspace(args)
     try:
         names = _stage_list(args.stages)
     except KeyError as exc:
         return _fail(exc.args[0])
-    reports = asyncio.run(_check(ws, names))
-    ok = True
-    for report in reports:
+    lock = WorkspaceLock(ws.root)
+    if not lock.acquire():
+        holder = lock.holder()
+        return _fail(f"{holder.describe() if holder else 'another console'} drives this workspace: run stages there")
+    return asyncio.run(_run_stages(ws, names))
+
+
+async def _run_stages(ws, names: list[str]) -> int:
+    from engine.checks.context import CheckContext
+    from engine.jobs import JobManager
+    from engine.pipeline import Pipeline, get_stage
+    from engine.server.manager import ServerManager, ServerStartError
+    from engine.stagejobs import STARTERS
+
+    pipeline = Pipeline(CheckContext(ws))
+    jobs = JobManager(ws.jobs_dir)
+    for name in names:
+        stage = get_stage(name)
+        report = await pipeline.run_stage(name)
+        if report.state.value == "passed":
+            _print_report(report)
+            continue
+        if name == "server":
+            print("starting the server…", flush=True)
+            try:
+                await ServerManager(ws, jobs).start()
+            except ServerStartError as exc:
+                return _fail(str(exc), 1)
+        elif name in STARTERS:
+            job = STARTERS[name](ws, jobs)
+            print(f"{name}: job {job.id} (detached; Ctrl-C stops watching, not the job)", flush=True)
+            await _follow(jobs, job.id)
+        report = await pipeline.run_stage(name)
         _print_report(report)
-        if report.state.value != "passed":
-            ok = False
-            print(f"stopping at stage '{report.stage}': it is not green", file=sys.stderr)
-            break
-    return 0 if ok else 1
+        if report.state.value not in ("passed", "warned") or stage.checks is None:
+            print(f"stopping at stage '{name}': it is not green", file=sys.stderr)
+            return 1
+    return 0
+
+
+async def _follow(jobs, job_id: str) -> None:
+    """Print the job's progress as a one-line bar until it ends."""
+    offset = 0
+    last = ""
+    while True:
+        events, offset = await asyncio.to_thread(jobs.events, job_id, offset)
+        for event in events:
+            kind = event.get("type")
+            if kind == "progress":
+                last = _progress_line(event)
+                print("\r" + last, end="", flush=True)
+            elif kind not in ("metrics",):
+                detail = {k: v for k, v in event.items() if k not in ("t", "type")}
+                print(("\n" if last else "") + f"  [{kind}] {json.dumps(detail)[:200]}", flush=True)
+                last = ""
+        info = await asyncio.to_thread(jobs.get, job_id)
+        if info.state not in ("starting", "running"):
+            print(f"\njob {job_id} {info.state} (exit {info.exit_code})")
+            if info.state != "succeeded":
+                for line in (info.last_log_lines or [])[-10:]:
+                    print(f"  | {line}")
+            return
+        await asyncio.sleep(0.5)
+
+
+def _progress_line(event: dict) -> str:
+    done, total = event.get("done") or 0, event.get("total") or 0
+    frac = done / total if total else 0.0
+    bar = "█" * int(30 * frac) + "░" * (30 - int(30 * frac))
+    extra = []
+    if event.get("tokens_per_s") is not None:
+        extra.append(f"{event['tokens_per_s']:.0f} tok/s")
+    if event.get("eta_s") is not None:
+        extra.append(f"ETA {int(event['eta_s'])}s")
+    if event.get("paused"):
+        extra.append(f"PAUSED: {event['paused']}")
+    return f"  {bar} {done}/{total} " + " ".join(extra)
 
 
 def status_data(ws) -> dict:

@@ -1,0 +1,43 @@
+"""The job behind each stage that has one: how to start it, so the console and CLI share it."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from engine import nccl
+
+
+def _env(workspace) -> dict[str, str]:
+    cfg = workspace.config
+    return nccl.build_child_env(cfg.gpu.nccl_preset, disable_nvls=cfg.gpu.disable_nvls)
+
+
+def start_extract(workspace, jobs):
+    from engine.extract.launch import start_extraction
+
+    return start_extraction(workspace, jobs)
+
+
+def start_train(workspace, jobs):
+    from engine.train.launch import build_train_argv
+
+    active = jobs.active("train")
+    if active:
+        return active[0]
+    return jobs.start("train", build_train_argv(workspace), env=_env(workspace), cwd=workspace.root)
+
+
+def start_evaluate(workspace, jobs):
+    active = jobs.active("evaluate")
+    if active:
+        return active[0]
+    argv = [sys.executable, "-m", "engine.evaluate", "--workspace", str(workspace.root)]
+    return jobs.start("evaluate", argv, env=_env(workspace), cwd=workspace.root)
+
+
+STARTERS: dict[str, Callable] = {"extract": start_extract, "train": start_train, "evaluate": start_evaluate}
+
+
+def job_kind(stage: str) -> str | None:
+    return stage if stage in STARTERS else None
