@@ -62,6 +62,10 @@ def build_tiny_model(target: Path, seed: int = 0) -> Path:
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.2)
+        # Special tokens get logit 0 while ~300 random logits spread around 0: greedy decoding
+        # practically never emits EOS, so generations reach max_new_tokens (stop is tested
+        # through stop_token_ids).
+        model.lm_head.weight[[fast.bos_token_id, fast.eos_token_id, fast.pad_token_id]] = 0.0
     model.save_pretrained(target)
     return target
 

@@ -1,0 +1,520 @@
+"""Runs a transformers causal LM for the local target server, off the event loop.
+
+Threads:
+- one *worker* thread owns the model. It takes waiting requests in groups (it waits a few
+  ms after the first one for more, up to `max_batch`), runs one right-padded prefill for
+  the group, then decodes the group together with a shared KV cache, dropping rows as
+  they finish. Token events are handed back through each request's `emit` callback.
+- one *writer* thread turns prefill captures into spool segments (bounded queue, so a
+  slow disk pushes back on the worker instead of filling memory).
+
+Capture uses forward hooks on the chosen decoder layers (their output = pre-norm residual
+stream, HF `hidden_states[i+1]`) and on the final norm (post-norm state that feeds the LM
+head), so the states come from the very forward pass that produced the first token.
+A request's `DoneEvent` is emitted only when generation has finished *and* its capture
+is durable on disk, so a client may assemble the capture as soon as the reply arrives.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+
+
+class ModelLoadError(Exception):
+    """The model directory cannot be served; str() is the reason (one line)."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128  # SGLang's default
+    temperature: float = 1.0  # SGLang's default; 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class TokenEvent:
+    ids: list[int]
+
+
+@dataclass
+class DoneEvent:
+    finish_reason: dict[str, Any] | None
+    error: str | None = None
+
+
+RunnerEvent = TokenEvent | DoneEvent
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[RunnerEvent], None]  # called from runner threads; must not block
+    capture: bool = False
+    count_in_metrics: bool = True
+    received: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class CaptureConfig:
+    layers: list[int]  # 0-indexed decoder-layer outputs
+    spool_dir: Path
+
+
+@dataclass
+class RunnerStats:
+    num_running_reqs: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_requests_total: int = 0
+    largest_prefill_batch: int = 0  # evidence that concurrent requests share a prefill
+
+
+class _Completion:
+    """Emits the request's DoneEvent once generation and capture have both finished."""
+
+    def __init__(self, request: GenRequest) -> None:
+        self.request = request
+        self._parts = 2 if request.capture else 1
+        self._lock = threading.Lock()
+        self._finish: dict[str, Any] | None = None
+        self._error: str | None = None
+        self.generation_done = False
+        self.capture_queued = False
+
+    def finish_generation(self, finish: dict[str, Any] | None = None, error: str | None = None) -> None:
+        self.generation_done = True
+        self._part_done(finish, error)
+
+    def finish_capture(self, error: str | None = None) -> None:
+        self._part_done(None, error)
+
+    def abort(self, error: str) -> None:
+        """The group failed: close whatever parts this thread still owns."""
+        if not self.generation_done:
+            self.finish_generation(error=error)
+        if self.request.capture and not self.capture_queued:
+            self.capture_queued = True
+            self.finish_capture(error)
+
+    def _part_done(self, finish: dict[str, Any] | None, error: str | None) -> None:
+        with self._lock:
+            if finish is not None:
+                self._finish = finish
+            if error is not None and self._error is None:
+                self._error = error
+            self._parts -= 1
+            if self._parts != 0:
+                return
+        self.request.emit(DoneEvent(finish_reason=self._finish, error=self._error))
+
+
+def check_model_dir(model_path: Path) -> None:
+    if not model_path.exists():
+        raise ModelLoadError("does not exist")
+    if not model_path.is_dir():
+        raise ModelLoadError("is not a directory (expected a transformers model directory)")
+    config_file = model_path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError("has no config.json (not a transformers model directory)")
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"config.json is unreadable: {exc}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str | Path,
+        device: str = "auto",
+        dtype: str = "auto",
+        capture: CaptureConfig | None = None,
+        max_batch: int = 8,
+        batch_wait_s: float = 0.005,
+        capture_queue_size: int = 16,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.requested_device = device
+        self.requested_dtype = dtype
+        self.capture = capture
+        self.max_batch = max(1, int(max_batch))
+        self.batch_wait_s = batch_wait_s
+        self.stats = RunnerStats()
+        self._inbox: queue.Queue[GenRequest | None] = queue.Queue()
+        self._write_queue: queue.Queue[tuple | None] = queue.Queue(maxsize=capture_queue_size)
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._stats_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._hook_store: dict[str, Any] = {}
+        self._hooks_active = False
+        self.model: Any = None
+        self.tokenizer: Any = None
+
+    # ---- loading ----------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load model and tokenizer; ModelLoadError with a one-line reason on failure."""
+        check_model_dir(self.model_path)
+        import torch
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # keep the server's stderr to its own messages
+        hf_logging.disable_progress_bar()
+        self.device = self._resolve_device(torch)
+        try:
+            config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+        except Exception as exc:
+            raise ModelLoadError(f"config.json cannot be loaded: {_one_line(exc)}") from None
+        dtype = self._resolve_dtype(torch)
+        major_minor = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+        dtype_kw = "dtype" if major_minor >= (4, 56) else "torch_dtype"
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, local_files_only=True, **{dtype_kw: dtype}
+            )
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load the model ({_one_line(exc)})") from None
+        if self.device == "cpu" and model.dtype == torch.float16:
+            model = model.float()  # fp16 kernels are poor or missing on CPU
+        self.model = model.to(self.device).eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        except Exception:
+            self.tokenizer = None  # input_ids still work; text requests get a clear 400
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.hidden_size = int(text_config.hidden_size)
+        self.vocab_size = int(text_config.vocab_size)
+        self.max_context = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
+        self.model_type = getattr(config, "model_type", None)
+        self.architectures = list(getattr(config, "architectures", None) or [])
+        self.eos_token_ids = self._eos_ids()
+        self.pad_token_id = self._pad_id()
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+        if self.capture is not None:
+            self.enable_capture(self.capture)
+
+    def _resolve_device(self, torch: Any) -> str:
+        wanted = self.requested_device
+        if wanted == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if wanted == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError("--device cuda was asked for, but torch sees no CUDA device")
+        return wanted
+
+    def _resolve_dtype(self, torch: Any) -> Any:
+        return {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}[self.requested_dtype]
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        generation_config = getattr(self.model, "generation_config", None)
+        for source in (getattr(generation_config, "eos_token_id", None),
+                       getattr(self.model.config, "eos_token_id", None),
+                       getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(x) for x in source)
+        return frozenset(ids)
+
+    def _pad_id(self) -> int:
+        for source in (getattr(self.tokenizer, "pad_token_id", None),
+                       getattr(self.model.config, "pad_token_id", None)):
+            if isinstance(source, int):
+                return source
+        return min(self.eos_token_ids) if self.eos_token_ids else 0
+
+    def enable_capture(self, capture: CaptureConfig) -> None:
+        """Install the capture hooks (after load, before start). ModelLoadError if impossible."""
+        from engine.capture.layers import validate_layers
+
+        try:
+            validate_layers(capture.layers, self.num_layers)
+        except ValueError as exc:
+            raise ModelLoadError(f"capture: {exc}") from None
+        self.capture = capture
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        layers = getattr(decoder, "layers", None)
+        norm = next((getattr(decoder, name) for name in ("norm", "final_layernorm", "ln_f")
+                     if getattr(decoder, name, None) is not None), None)
+        if layers is None or norm is None:
+            raise ModelLoadError(
+                "capture needs a decoder with .layers and a final norm; this architecture "
+                f"({', '.join(self.architectures) or 'unknown'}) does not expose them"
+            )
+        for layer_id in capture.layers:
+            layers[layer_id].register_forward_hook(self._make_hook(f"layer{layer_id}"))
+        norm.register_forward_hook(self._make_hook("final"))
+
+    def _make_hook(self, key: str) -> Callable:
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            if self._hooks_active:
+                self._hook_store[key] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    # ---- threads ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        for target, name in ((self._worker_loop, "model-worker"), (self._writer_loop, "capture-writer")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def alive(self) -> bool:
+        return bool(self._threads) and all(thread.is_alive() for thread in self._threads)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._inbox.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def submit(self, request: GenRequest) -> None:
+        self._inbox.put(request)
+
+    @property
+    def num_queue_reqs(self) -> int:
+        return self._inbox.qsize()
+
+    def gen_throughput(self, window_s: float = 5.0) -> float:
+        now = time.monotonic()
+        with self._stats_lock:
+            while self._recent_tokens and self._recent_tokens[0][0] < now - window_s:
+                self._recent_tokens.popleft()
+            return sum(n for _, n in self._recent_tokens) / window_s
+
+    def _count_tokens(self, requests: list[GenRequest], new_tokens: list[int]) -> None:
+        counted = sum(n for req, n in zip(requests, new_tokens) if req.count_in_metrics)
+        with self._stats_lock:
+            self.stats.generation_tokens_total += counted
+            self._recent_tokens.append((time.monotonic(), counted))
+
+    def _worker_loop(self) -> None:
+        while True:
+            first = self._inbox.get()
+            if first is None:
+                self._write_queue.put(None)
+                return
+            group = [first]
+            stop_after = False
+            deadline = time.monotonic() + self.batch_wait_s
+            while len(group) < self.max_batch:
+                try:
+                    item = self._inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop_after = True
+                    break
+                group.append(item)
+            self._run_group_safely(group)
+            if stop_after:
+                self._write_queue.put(None)
+                return
+
+    def _run_group_safely(self, group: list[GenRequest]) -> None:
+        completions = [_Completion(req) for req in group]
+        self.stats.num_running_reqs = len(group)
+        try:
+            self._run_group(group, completions)
+        except Exception as exc:  # one bad batch must not kill the server
+            traceback.print_exc(file=sys.stderr)
+            message = f"generation failed: {_one_line(exc)}"
+            for completion in completions:
+                completion.abort(message)
+        finally:
+            self.stats.num_running_reqs = 0
+            self._hooks_active = False
+            self._hook_store.clear()
+
+    def _writer_loop(self) -> None:
+        from engine.capture.segments import write_segment
+
+        while True:
+            item = self._write_queue.get()
+            if item is None:
+                return
+            completion, ids, aux, final = item
+            assert self.capture is not None
+            try:
+                write_segment(self.capture.spool_dir, completion.request.rid, 0, ids, aux, final,
+                              self.capture.layers)
+            except Exception as exc:
+                completion.finish_capture(error=f"capture write failed: {_one_line(exc)}")
+            else:
+                completion.finish_capture()
+
+    # ---- the model --------------------------------------------------------------------
+
+    def _forward(self, input_ids: Any, attention_mask: Any, position_ids: Any, cache: Any,
+                 keep: Any = None) -> tuple[Any, Any]:
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "use_cache": True, self._cache_kw: cache,
+        }
+        if keep is not None and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        out = self.model(**kwargs)
+        new_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        return out.logits, new_cache
+
+    def _run_group(self, group: list[GenRequest], completions: list[_Completion]) -> None:
+        import torch
+
+        device = self.device
+        lengths = [len(req.input_ids) for req in group]
+        width = max(lengths)
+        batch = len(group)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, req in enumerate(group):
+            input_ids[row, : lengths[row]] = torch.tensor(req.input_ids, dtype=torch.long)
+            mask[row, : lengths[row]] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, -1)
+        # Logits only where a next token is needed: the last real position of each row.
+        keep_positions = sorted(set(n - 1 for n in lengths))
+        keep = torch.tensor(keep_positions, device=device) if self._has_logits_to_keep else None
+        capture_rows = [row for row, req in enumerate(group) if req.capture]
+
+        with self._stats_lock:
+            self.stats.largest_prefill_batch = max(self.stats.largest_prefill_batch, batch)
+            for req in group:
+                if req.count_in_metrics:
+                    self.stats.prompt_tokens_total += len(req.input_ids)
+                    self.stats.num_requests_total += 1
+
+        with torch.inference_mode():
+            self._hooks_active = bool(capture_rows) and self.capture is not None
+            logits, cache = self._forward(input_ids, mask, positions, None, keep)
+            self._hooks_active = False
+            if capture_rows:
+                self._queue_captures(group, completions, capture_rows, lengths, input_ids)
+            self._hook_store.clear()
+            if keep is not None:
+                index_of = {pos: i for i, pos in enumerate(keep_positions)}
+                last = torch.stack([logits[row, index_of[lengths[row] - 1]] for row in range(batch)])
+            else:
+                last = torch.stack([logits[row, lengths[row] - 1] for row in range(batch)])
+            del logits
+            self._decode(group, completions, lengths, mask, cache, last)
+
+    def _queue_captures(self, group, completions, rows, lengths, input_ids) -> None:
+        import torch
+
+        assert self.capture is not None
+        layer_states = [self._hook_store[f"layer{layer}"] for layer in self.capture.layers]
+        final_states = self._hook_store["final"]
+        for row in rows:
+            n = lengths[row]
+            aux = torch.cat([states[row, :n] for states in layer_states], dim=-1).to("cpu")
+            final = final_states[row, :n].to("cpu")
+            ids = input_ids[row, :n].to("cpu")
+            completions[row].capture_queued = True
+            self._write_queue.put((completions[row], ids, aux, final))  # blocks if the disk lags
+
+    def _decode(self, group, completions, lengths, mask, cache, last_logits) -> None:
+        import torch
+
+        device = self.device
+        generators = [self._generator(req.params.seed) for req in group]
+        generated = [0] * len(group)
+        active = list(range(len(group)))  # group rows still decoding, in cache-row order
+        # max_new_tokens == 0: prefill only (capture), no token.
+        for row in list(active):
+            if group[row].params.max_new_tokens == 0:
+                completions[row].finish_generation(finish={"type": "length", "length": 0})
+        active = [row for row in active if group[row].params.max_new_tokens > 0]
+        logits_rows = list(range(len(group)))  # row of last_logits for each group row
+        while active:
+            next_tokens: dict[int, int] = {}
+            for row in active:
+                req = group[row]
+                next_tokens[row] = self._pick(last_logits[logits_rows.index(row)], req.params, generators[row])
+            self._count_tokens([group[r] for r in active], [1] * len(active))
+            still: list[int] = []
+            for row in active:
+                token = next_tokens[row]
+                generated[row] += 1
+                req = group[row]
+                req.emit(TokenEvent([token]))
+                params = req.params
+                if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                    completions[row].finish_generation(finish={"type": "stop", "matched": token})
+                elif generated[row] >= params.max_new_tokens:
+                    completions[row].finish_generation(finish={"type": "length", "length": params.max_new_tokens})
+                else:
+                    still.append(row)
+            if not still:
+                return
+            if len(still) < len(logits_rows) and hasattr(cache, "batch_select_indices"):
+                keep_idx = torch.tensor([logits_rows.index(r) for r in still], device=device)
+                cache.batch_select_indices(keep_idx)
+                mask = mask[keep_idx]
+                logits_rows = list(still)
+            step_ids = torch.tensor([[next_tokens.get(r, self.pad_token_id)] for r in logits_rows],
+                                    dtype=torch.long, device=device)
+            step_pos = torch.tensor([[lengths[r] + generated[r] - 1] for r in logits_rows],
+                                    dtype=torch.long, device=device)
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], dim=1)
+            logits, cache = self._forward(step_ids, mask, step_pos, cache, 1)
+            last_logits = logits[:, -1]
+            active = still
+
+    @staticmethod
+    def _generator(seed: int | None) -> Any:
+        import torch
+
+        if seed is None:
+            return None
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(int(seed))
+        return generator
+
+    @staticmethod
+    def _pick(logits: Any, params: SamplingParams, generator: Any) -> int:
+        import torch
+
+        if params.temperature <= 0.0 or params.top_k == 1:
+            return int(torch.argmax(logits).item())
+        scores = logits.float().to("cpu") / params.temperature
+        if params.top_k > 0:
+            kth = torch.topk(scores, min(params.top_k, scores.shape[-1])).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            drop = cumulative - sorted_probs > params.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=generator).item())

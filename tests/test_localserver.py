@@ -1,0 +1,367 @@
+"""The local target server as a real process on 127.0.0.1, driven through engine.client.
+
+One server per module (capture on, API key on), a tiny random Llama, and the same model
+loaded in-process as the reference for tokens and hidden states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engine.capture.segments import assemble, list_segments, release
+from engine.client import ServerClient, ServerReplyError, ServerUnreachableError
+
+REPO = Path(__file__).resolve().parents[1]
+API_KEY = "test-key-5d1f0c"
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11],
+    [20, 21, 22],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42],
+    [50],
+    [60, 61, 62, 63, 64],
+    [100, 7, 100, 7],
+    [200, 201, 202, 203, 204, 205],
+    [250, 251],
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_argv(model_dir: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "engine.localserver", "--model-path", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", "--dtype", "float32", *extra]
+
+
+class RunningServer:
+    def __init__(self, proc: subprocess.Popen, url: str, spool: Path, log: Path) -> None:
+        self.proc, self.url, self.spool, self.log = proc, url, spool, log
+
+    def client(self, api_key: str | None = API_KEY) -> ServerClient:
+        return ServerClient(self.url, api_key=api_key, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("localserver")
+    spool, log = work / "spool", work / "server.log"
+    port = free_port()
+    argv = server_argv(tiny_model_dir, port, "--capture-layers", "0,1,2", "--spool-dir", str(spool),
+                       "--api-key", API_KEY, "--log-level", "info")
+    with open(log, "wb") as log_handle:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log_handle, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 40
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}: {log.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy within 40 s: {log.read_text()}")
+            time.sleep(0.2)
+        yield RunningServer(proc, url, spool, log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+# ---- info endpoints ------------------------------------------------------------------------
+
+async def test_health_and_info(server):
+    async with server.client() as client:
+        await client.health()
+        await client.health_generate()
+        info = await client.server_info()
+        assert info["backend"] == "local" and info["tp_size"] == 1
+        assert info["disable_radix_cache"] is True and info["speculative_algorithm"] is None
+        assert info["enable_metrics"] is True and info["host"] == "127.0.0.1"
+        assert info["capture"] == {"enabled": True, "layers": [0, 1, 2], "layers_sglang": [1, 2, 3],
+                                   "spool_dir": str(server.spool.resolve())}
+        model = await client.model_info()
+        assert model["is_generation"] is True
+        assert (model["num_layers"], model["hidden_size"], model["vocab_size"]) == (4, 64, 300)
+
+
+# ---- generation ----------------------------------------------------------------------------
+
+async def test_greedy_matches_model_generate(server, reference):
+    model, _ = reference
+    async with server.client() as client:
+        for prompt in PROMPTS[:3]:
+            result = await client.generate(input_ids=prompt, max_new_tokens=12)
+            assert result.output_ids == greedy(model, prompt, 12)
+            meta = result.meta
+            assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 12
+            assert meta["cached_tokens"] == 0 and meta["finish_reason"] == {"type": "length", "length": 12}
+            assert meta["e2e_latency"] > 0
+
+
+async def test_prefill_only(server):
+    async with server.client() as client:
+        result = await client.generate(input_ids=PROMPTS[0], max_new_tokens=0)
+    assert result.output_ids == [] and result.text == ""
+    assert result.meta["completion_tokens"] == 0 and result.meta["prompt_tokens"] == len(PROMPTS[0])
+    assert result.meta["finish_reason"]["type"] == "length"
+
+
+async def test_text_input(server, reference):
+    model, tokenizer = reference
+    text = "hello world, the capital"
+    ids = tokenizer.encode(text)
+    async with server.client() as client:
+        result = await client.generate(text=text, max_new_tokens=6)
+    assert result.output_ids == greedy(model, ids, 6)
+    assert result.text == tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    assert result.meta["prompt_tokens"] == len(ids)
+
+
+async def test_stop_token_ids(server, reference):
+    model, _ = reference
+    full = greedy(model, PROMPTS[4], 10)
+    stop = full[3]
+    cut = full.index(stop)
+    async with server.client() as client:
+        result = await client.generate(input_ids=PROMPTS[4], max_new_tokens=10, stop_token_ids=[stop])
+    assert result.output_ids == full[: cut + 1]
+    assert result.meta["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+async def test_sampling_with_seed_is_reproducible(server):
+    async with server.client() as client:
+        first = await client.generate(input_ids=PROMPTS[1], max_new_tokens=8, temperature=1.5, seed=7)
+        again = await client.generate(input_ids=PROMPTS[1], max_new_tokens=8, temperature=1.5, seed=7)
+    assert first.output_ids == again.output_ids and len(first.output_ids) == 8
+
+
+async def test_eight_concurrent_requests_are_batched_and_correct(server, reference):
+    model, _ = reference
+    lengths = [3, 9, 5, 12, 1, 7, 4, 10]
+    async with server.client() as client:
+        results = await asyncio.gather(*(client.generate(input_ids=p, max_new_tokens=n)
+                                         for p, n in zip(PROMPTS, lengths)))
+        info = await client.server_info()
+    for prompt, n, result in zip(PROMPTS, lengths, results):
+        assert result.output_ids == greedy(model, prompt, n), prompt
+    assert info["internal_states"][0]["largest_prefill_batch"] > 1
+
+
+async def test_streaming(server):
+    async with server.client() as client:
+        plain = await client.generate(input_ids=PROMPTS[2], max_new_tokens=7)
+        chunks = [chunk async for chunk in client.generate_stream(input_ids=PROMPTS[2], max_new_tokens=7)]
+    assert [i for chunk in chunks for i in chunk.output_ids] == plain.output_ids
+    assert chunks[-1].text == plain.text
+    assert chunks[-1].finish_reason == {"type": "length", "length": 7}
+    assert all(chunk.finish_reason is None for chunk in chunks[:-1])
+    raw = httpx.post(f"{server.url}/generate", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30,
+                     json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "stream": True})
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.startswith("data: {") and raw.text.endswith("data: [DONE]\n\n")
+
+
+# ---- capture -------------------------------------------------------------------------------
+
+async def test_capture_matches_reference_hidden_states(server, reference):
+    model, _ = reference
+    prompt = PROMPTS[2]
+    async with server.client() as client:
+        result = await client.generate(input_ids=prompt, max_new_tokens=2, rid="cap-1")
+    assert result.meta["id"] == "cap-1"
+    # the reply came after the segment was durable: assemble right away
+    capture = assemble(server.spool, "cap-1", expected_len=len(prompt), expected_input_ids=prompt)
+    with torch.no_grad():
+        states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        final = model.model(torch.tensor([prompt])).last_hidden_state[0]
+    aux_ref = torch.cat([states[layer + 1][0] for layer in (0, 1, 2)], dim=-1)
+    assert capture.layers == [0, 1, 2] and capture.aux_hidden_state.shape == (len(prompt), 3 * 64)
+    torch.testing.assert_close(capture.aux_hidden_state, aux_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(capture.hidden_state, final, atol=1e-4, rtol=1e-4)
+    assert release(server.spool, "cap-1") == 1
+
+
+async def test_capture_only_for_explicit_rid_and_never_for_health(server):
+    for rid in [p.name for p in server.spool.iterdir()]:
+        release(server.spool, rid)
+    async with server.client() as client:
+        await client.health_generate()
+        await client.generate(input_ids=PROMPTS[0], max_new_tokens=1)  # no rid: not captured
+        assert list(server.spool.iterdir()) == []
+        results = await asyncio.gather(*(client.generate(input_ids=p, max_new_tokens=0, rid=f"batch-{i}")
+                                         for i, p in enumerate(PROMPTS[:4])))
+    for i, (prompt, result) in enumerate(zip(PROMPTS, results)):
+        assert len(list_segments(server.spool, f"batch-{i}")) == 1
+        assert assemble(server.spool, f"batch-{i}", expected_len=len(prompt)).num_tokens == len(prompt)
+        assert result.meta["id"] == f"batch-{i}"
+        release(server.spool, f"batch-{i}")
+
+
+async def test_unsafe_rid_rejected_when_capturing(server):
+    async with server.client() as client:
+        for rid in ("../x", "/etc"):
+            with pytest.raises(ServerReplyError, match="HTTP 400.*invalid rid") as info:
+                await client.generate(input_ids=[5, 6], max_new_tokens=1, rid=rid)
+            assert info.value.status == 400
+    assert not (server.spool.parent / "x").exists()
+
+
+async def test_bad_requests_are_clear(server):
+    async with server.client() as client:
+        with pytest.raises(ServerReplyError, match="token id 999 is not in the vocabulary"):
+            await client.generate(input_ids=[1, 999], max_new_tokens=1)
+        with pytest.raises(ServerReplyError, match="max_new_tokens must be >= 0"):
+            await client.generate(input_ids=[1], max_new_tokens=-1)
+
+
+# ---- metrics and auth ------------------------------------------------------------------------
+
+async def test_metrics_counters_increase(server):
+    names = ["sglang:gen_throughput", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+             "sglang:prompt_tokens_total", "sglang:generation_tokens_total", "sglang:cached_tokens_total",
+             "sglang:cache_hit_rate"]
+    async with server.client() as client:
+        before = await client.metrics()
+        await client.generate(input_ids=PROMPTS[0], max_new_tokens=4)
+        after = await client.metrics()
+    assert set(names) <= set(after)
+    assert after["sglang:prompt_tokens_total"] - before["sglang:prompt_tokens_total"] == len(PROMPTS[0])
+    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 4
+    assert after["sglang:cached_tokens_total"] == 0 and after["sglang:cache_hit_rate"] == 0
+    assert after["sglang:gen_throughput"] > 0
+
+
+async def test_api_key_enforced_and_never_logged(server):
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as raw:
+        assert (await raw.get("/health")).status_code == 200  # SGLang exempts /health* and /metrics
+        assert (await raw.get("/metrics")).status_code == 200
+        assert (await raw.get("/server_info")).status_code == 401
+        wrong = await raw.post("/generate", json={"input_ids": [5]}, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+    async with server.client(api_key=None) as client:
+        with pytest.raises(ServerReplyError, match="HTTP 401 \\(check the API key\\)") as info:
+            await client.generate(input_ids=[5], max_new_tokens=1)
+    assert API_KEY not in str(info.value)
+    assert API_KEY not in server.log.read_text()
+
+
+# ---- start-up errors ---------------------------------------------------------------------
+
+def test_bad_model_path_fails_fast(tmp_path):
+    missing = tmp_path / "no-such-model"
+    started = time.monotonic()
+    proc = subprocess.run(server_argv(missing, free_port()), cwd=REPO, capture_output=True, text=True, timeout=15)
+    assert time.monotonic() - started < 15
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"model path {missing}: does not exist"]
+
+
+def test_busy_port_fails_fast(tiny_model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(server_argv(tiny_model_dir, port), cwd=REPO, capture_output=True, text=True,
+                              timeout=15)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"port {port} on 127.0.0.1 is in use"]
+
+
+def test_bad_capture_layers_fail_fast(tiny_model_dir, tmp_path):
+    argv = server_argv(tiny_model_dir, free_port(), "--capture-layers", "1,2,3", "--spool-dir", str(tmp_path))
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=15)
+    assert proc.returncode == 2
+    assert "capture layer 3 is out of range" in proc.stderr and "valid range is 0..2" in proc.stderr
+
+
+# ---- client against malformed replies ----------------------------------------------------
+
+class _BadReplies(http.server.BaseHTTPRequestHandler):
+    """A real HTTP server that answers like a broken backend (no real server produces these)."""
+
+    replies = {
+        "/server_info": (200, b"<html>proxy error</html>"),
+        "/model_info": (200, b"[1, 2]"),
+        "/generate": (200, b'{"text": "x", "meta_info": {}}'),
+        "/metrics": (200, b"sglang:x{model_name=\"a\"} not-a-number\n"),
+        "/health": (503, b'{"error": {"message": "model worker is not running"}}'),
+    }
+
+    def _answer(self) -> None:
+        status, body = self.replies.get(self.path, (404, b"nope"))
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture()
+def bad_server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BadReplies)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+async def test_client_reports_malformed_replies(bad_server):
+    async with ServerClient(bad_server, timeout=5) as client:
+        with pytest.raises(ServerReplyError, match="reply is not JSON: <html>proxy error"):
+            await client.server_info()
+        with pytest.raises(ServerReplyError, match="expected a JSON object, got list"):
+            await client.model_info()
+        with pytest.raises(ServerReplyError, match="lacks 'output_ids'"):
+            await client.generate(input_ids=[1])
+        with pytest.raises(ServerReplyError, match="'not-a-number' is not a number"):
+            await client.metrics()
+        with pytest.raises(ServerReplyError, match="HTTP 503.*model worker is not running") as info:
+            await client.health()
+        assert info.value.status == 503
+
+
+async def test_client_reports_unreachable_server():
+    async with ServerClient(f"http://127.0.0.1:{free_port()}", timeout=5) as client:
+        with pytest.raises(ServerUnreachableError, match="ConnectError"):
+            await client.health()
