@@ -43,18 +43,33 @@ class ConsoleHeader(Static):
             self.running_jobs = count
             self._render_line()
 
+    def on_resize(self) -> None:
+        self._render_line()
+
     @property
     def line(self) -> str:
         """The header as plain words (no markup)."""
         return self.render_line_markup(plain=True)
 
-    def render_line_markup(self, plain: bool = False) -> str:
+    def _parts(self, width: int) -> tuple[str, str, str]:
         mode = ("read-only: driven by " + self.read_only_by) if self.read_only_by else "driving"
         jobs = f"{self.running_jobs} job(s) running" if self.running_jobs else "no jobs running"
+        path = short_path(self.workspace)
+        room = width - len("eagle3-console ")
+        if width > 0 and len(path) > room:  # keep the end of the path: it names the workspace
+            path = "…" + path[-max(1, room - 1):]
+        return path, mode, jobs
+
+    def render_line_markup(self, plain: bool = False) -> str:
+        """One line when it fits, else the mode and jobs go on a second line (never split mid-phrase)."""
+        width = self.content_region.width if self.is_mounted else 0
+        path, mode, jobs = self._parts(width)
+        one_line = f"eagle3-console {path} · {mode} · {jobs}"
+        sep = " · " if not width or len(one_line) <= width else "\n"
         if plain:
-            return f"eagle3-console {short_path(self.workspace)} · {mode} · {jobs}"
+            return f"eagle3-console {path}{sep}{mode} · {jobs}"
         mode_colour = "$warning" if self.read_only_by else "$success"
-        return (f"[b]eagle3-console[/b] {esc(short_path(self.workspace))} · [{mode_colour}]{esc(mode)}[/]"
+        return (f"[b]eagle3-console[/b] {esc(path)}{sep}[{mode_colour}]{esc(mode)}[/]"
                 f" · [$text-muted]{jobs}[/]")
 
     def _render_line(self) -> None:
