@@ -8,6 +8,7 @@ Quitting closes the view only: jobs are detached processes that keep running.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Iterable
 
@@ -69,7 +70,7 @@ class ConsoleApp(App[int]):
             self._theme_warning = (f"theme '{wanted}' (ui.theme) is not installed; using eagle3-dark. "
                                    f"Installed: {', '.join(self.theme_names)}")
             self.theme = "eagle3-dark"
-        self._saved_theme = wanted
+        self._saved_theme = self.theme  # a fallback theme is not written over the configured one
 
     # -- setup
     def _register_themes(self) -> list[str]:
@@ -91,9 +92,7 @@ class ConsoleApp(App[int]):
 
     def compose(self) -> ComposeResult:
         engine = self.engine
-        holder = None
-        if engine.read_only:
-            holder = engine.lock_holder.describe() if engine.lock_holder else "another console"
+        holder = describe_holder(engine.lock_holder) if engine.read_only else None
         yield ConsoleHeader(self.workspace.root, holder, id="header")
         yield Tabs(*[Tab(f"{i} {label}", id=tab) for i, (tab, label) in enumerate(TABS, start=1)],
                    active="pipeline", id="tabs")
@@ -253,6 +252,14 @@ class ConsoleApp(App[int]):
             yield SystemCommand(f"Show {label}", f"Switch to the {label} pane ({i})", partial(self.action_show_tab, tab))
         yield SystemCommand("Close console (jobs keep running)", "Quit the console; jobs keep running (q)",
                             self.action_quit)
+
+
+def describe_holder(holder) -> str:
+    """Who drives the workspace, short enough for an 80-column header."""
+    if holder is None:
+        return "another console"
+    since = time.strftime("%b %d %H:%M", time.localtime(holder.since))
+    return f"pid {holder.pid} on {holder.host} since {since}"
 
 
 def closing_summary(engine) -> str:

@@ -130,6 +130,8 @@ async def test_all_five_panes_visible_together_at_160x50(ws):
     app = ConsoleApp(Engine(ws))
     async with app.run_test(size=(160, 50)) as pilot:
         await wait_until(pilot, lambda: app.query_one(ExtractionPane).usages)
+        await wait_until(pilot, lambda: app.query_one(GpuPane).snapshot is not None)
+        await pilot.pause(0.2)  # let the layout settle after the first samples
         assert not app.query_one("#tabs").display
         panes = [app.query_one(cls) for cls in PANE_CLASSES.values()]
         for pane in panes:
