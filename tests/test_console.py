@@ -333,3 +333,13 @@ async def test_closing_summary_lists_jobs_left_running(ws):
             engine.jobs.stop_sync(job.id, grace=5)
     finally:
         await engine.close()
+
+
+async def test_unknown_configured_theme_falls_back_without_overwriting(tmp_path):
+    ws = make_workspace(tmp_path, **{"ui.theme": "no-such-theme"})
+    app = ConsoleApp(Engine(ws))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        assert app.theme == "eagle3-dark"
+        await app.workers.wait_for_complete()
+    assert load_config(ws.root).ui.theme == "no-such-theme"
