@@ -33,7 +33,7 @@ def build_local_spec(workspace, capture: bool = True, port: int | None = None) -
     env_set: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     # The key travels in the environment, not argv: argv is visible to every user in `ps`.
     if cfg.server.api_key:
-        env_set["EAGLE3_SERVER_API_KEY"] = cfg.server.api_key
+        env_set["LOCALSERVER_API_KEY"] = cfg.server.api_key
     env = nccl.build_child_env(cfg.gpu.nccl_preset, base_env=os.environ, disable_nvls=cfg.gpu.disable_nvls,
                                extra=env_set)
     shown = {**nccl.effective_nccl_vars(env), **env_set}

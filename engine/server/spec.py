@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SECRET_ENV = ("EAGLE3_SERVER_API_KEY",)
+SECRET_ENV = ("LOCALSERVER_API_KEY",)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,179 @@
+"""The engine owning a real local server process: start, stages `server` and `capture`,
+crash detection and restart, fail-fast start errors, stop leaving nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+
+import psutil
+import pytest
+
+from engine.checks.context import CheckContext
+from engine.config import set_value
+from engine.pipeline import Pipeline
+from engine.server.manager import ServerManager, ServerStartError
+from engine.workspace import init_workspace
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}</s>{% endgeneration %}{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model plus a chat template (the server and probe render prompts with it)."""
+    target = tmp_path_factory.mktemp("chat_model") / "m"
+    shutil.copytree(tiny_model_dir, target)
+    cfg_path = target / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return target
+
+
+def make_ws(tmp_path, model_dir, **changes):
+    ws = init_workspace(tmp_path / "ws")
+    config = ws.config
+    for key, value in {"model.path": str(model_dir), "server.port": free_port(), "server.device": "cpu",
+                       "server.startup_timeout_s": 60.0, "extract.spool_dir": str(tmp_path / "spool"),
+                       **changes}.items():
+        config = set_value(config, key, value)
+    ws.save_config(config)
+    return ws
+
+
+@pytest.fixture(scope="module")
+def running(chat_model_dir, tmp_path_factory):
+    ws = make_ws(tmp_path_factory.mktemp("srv"), chat_model_dir)
+    manager = ServerManager(ws)
+    status = asyncio.run(manager.start())
+    yield ws, manager, status
+    asyncio.run(manager.stop(grace=5))
+
+
+def test_start_reports_ready_with_capture_flags(running):
+    ws, manager, status = running
+    assert status.state == "ready"
+    assert status.url.startswith("http://127.0.0.1:")
+    assert status.capture["enabled"] is True
+    assert status.flags["disable_radix_cache"] is True
+    assert psutil.pid_exists(status.pid)
+    record = manager.record()
+    assert record["desired"] == "running" and record["job_id"] == status.job_id
+
+
+def test_server_and_capture_stages_pass_for_real(running):
+    ws, manager, _ = running
+    pipeline = Pipeline(CheckContext(ws))
+    server = asyncio.run(pipeline.run_stage("server"))
+    assert server.state.value == "passed", [r.to_dict() for r in server.results]
+    assert "tok/s" in {r.name: r for r in server.results}["decode"].evidence
+    capture = asyncio.run(pipeline.run_stage("capture"))
+    assert capture.state.value == "passed", [r.to_dict() for r in capture.results]
+    evidence = {r.name: r.evidence for r in capture.results}
+    assert "cached_tokens = 0" in evidence["cached"]
+    assert "= server's next token" in evidence["argmax"]
+    # the probe released its spool
+    spool = ws.spool_dir
+    assert not any(spool.iterdir()) if spool.exists() else True
+
+
+def test_second_start_reuses_the_running_server(running):
+    ws, manager, status = running
+    again = asyncio.run(manager.start())
+    assert again.job_id == status.job_id
+
+
+def test_capture_stage_fails_when_server_runs_without_capture(chat_model_dir, tmp_path):
+    ws = make_ws(tmp_path, chat_model_dir)
+    manager = ServerManager(ws)
+    asyncio.run(manager.start(capture=False))
+    try:
+        pipeline = Pipeline(CheckContext(ws))
+        server = asyncio.run(pipeline.run_stage("server"))
+        flags = {r.name: r for r in server.results}["flags"]
+        assert flags.status.value == "fail" and "capture is not enabled" in flags.evidence
+        capture = asyncio.run(pipeline.run_stage("capture"))
+        assert capture.state.value == "failed"
+        assert "no usable capture" in capture.results[-1].evidence
+    finally:
+        asyncio.run(manager.stop(grace=5))
+
+
+def test_kill_9_is_detected_as_crash_and_restarted(chat_model_dir, tmp_path):
+    ws = make_ws(tmp_path, chat_model_dir)
+    manager = ServerManager(ws)
+    first = asyncio.run(manager.start())
+    try:
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.time() + 15
+        status = asyncio.run(manager.poll())
+        while status.state != "crashed" and time.time() < deadline:
+            time.sleep(0.2)
+            status = asyncio.run(manager.poll())
+        assert status.state == "crashed"
+        assert status.exit_code == -9
+        restarted = asyncio.run(manager.ensure_running())
+        assert restarted.state == "ready" and restarted.pid != first.pid
+        assert restarted.restarts == 1
+    finally:
+        asyncio.run(manager.stop(grace=5))
+    stopped = asyncio.run(manager.poll())
+    assert stopped.state == "stopped"
+
+
+def test_stop_leaves_no_process_behind(chat_model_dir, tmp_path):
+    ws = make_ws(tmp_path, chat_model_dir)
+    manager = ServerManager(ws)
+    status = asyncio.run(manager.start())
+    pid = status.pid
+    stopped = asyncio.run(manager.stop(grace=5))
+    assert stopped.state == "stopped"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_bad_model_path_fails_fast_with_reason(tmp_path):
+    ws = make_ws(tmp_path, tmp_path / "no-such-model")
+    started = time.monotonic()
+    with pytest.raises(ServerStartError) as info:
+        asyncio.run(ServerManager(ws).start())
+    assert time.monotonic() - started < 20
+    assert "model path" in str(info.value)
+
+
+def test_busy_port_fails_before_starting(chat_model_dir, tmp_path):
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        ws = make_ws(tmp_path, chat_model_dir, **{"server.port": port})
+        with pytest.raises(ServerStartError, match=f"port {port} on 127.0.0.1 is in use"):
+            asyncio.run(ServerManager(ws).start())
+        assert ServerManager(ws).job() is None  # nothing was started
+
+
+def test_server_command_prints_argv_without_the_key(chat_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    ws = make_ws(tmp_path, chat_model_dir, **{"server.api_key": "sekret-123"})
+    out = subprocess.run([sys.executable, "-m", "eagle3_console", "server", "command", "-w", str(ws.root)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "engine.localserver" in out.stdout and "--capture-layers" in out.stdout
+    assert "sekret-123" not in out.stdout
+    assert "NCCL_NVLS_ENABLE=0" in out.stdout
