@@ -15,7 +15,16 @@ from typing import Callable
 
 from engine.checks.base import StageReport
 from engine.checks.context import CheckContext
-from engine.events import DiskUpdated, Event, GpuUpdated, JobsUpdated, Notice, StageUpdated
+from engine.events import (
+    DiskUpdated,
+    Event,
+    GpuUpdated,
+    JobEvents,
+    JobsUpdated,
+    Notice,
+    ServerUpdated,
+    StageUpdated,
+)
 from engine.pipeline import Pipeline
 from engine.workspace import LockHolder, Workspace
 
@@ -49,8 +58,13 @@ class Engine:
         self.disk_sampler = DiskSampler(workspace.written_paths(), workspace.reserves(), interval=5.0)
         self.jobs = JobManager(workspace.jobs_dir)
         self.pipeline = Pipeline(CheckContext(workspace, gpu_snapshot=self.latest_gpu), persist=not self.read_only)
+        from engine.server.manager import ServerManager
+
+        self.server = ServerManager(workspace, self.jobs)
+        self.server_status = None
         self.gpu_snapshot = None
         self.disk_usages: tuple = ()
+        self._event_offsets: dict[str, int] = {}
         self.job_list: tuple = ()
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
@@ -98,7 +112,30 @@ class Engine:
                 previous = states
             self.job_list = jobs
             self._emit(JobsUpdated(jobs=jobs))
+            await self._read_job_events(jobs)
             await asyncio.sleep(interval)
+
+    async def _read_job_events(self, jobs) -> None:
+        """Stream new events of the newest job of each kind (history first, then increments)."""
+        newest: dict[str, object] = {}
+        for job in jobs:  # newest first
+            newest.setdefault(job.kind, job)
+        for job in newest.values():
+            offset = self._event_offsets.get(job.id, 0)
+            events, new_offset = await asyncio.to_thread(self.jobs.events, job.id, offset)
+            self._event_offsets[job.id] = new_offset
+            if events:
+                self._emit(JobEvents(job_id=job.id, kind=job.kind, events=tuple(events)))
+                for event in events:
+                    if event.get("type") == "paused" and offset:
+                        self.notify("warning", f"{job.kind} paused: {event.get('reason', '')}")
+
+    def _on_server(self, status) -> None:
+        previous = self.server_status
+        self.server_status = status
+        if previous is not None and previous.state != status.state and status.state == "crashed":
+            self.notify("error", f"server crashed (exit {status.exit_code}): {status.error}")
+        self._emit(ServerUpdated(status=status))
 
     async def start(self) -> None:
         """Start the pollers (call once, from the event loop that will own them)."""
@@ -108,7 +145,15 @@ class Engine:
             asyncio.create_task(self.gpu_sampler.watch(self._on_gpu), name="gpu-sampler"),
             asyncio.create_task(self.disk_sampler.watch(self._on_disk), name="disk-sampler"),
             asyncio.create_task(self._watch_jobs(), name="job-watcher"),
+            asyncio.create_task(self._watch_server(), name="server-watcher"),
         ]
+
+    async def _watch_server(self) -> None:
+        if self.read_only:  # an attached console watches but never restarts
+            while True:
+                self._on_server(await self.server.poll())
+                await asyncio.sleep(self.config.ui.refresh_s)
+        await self.server.watch(self._on_server, interval=self.config.ui.refresh_s)
 
     async def close(self) -> None:
         """Stop watching. Jobs keep running; the lock is released for the next console."""
@@ -133,8 +178,13 @@ class Engine:
         reports = []
         from engine.pipeline import stage_names
 
+        from dataclasses import replace
+
+        from engine.checks.base import StageState
+
         for name in names or stage_names():
-            self._emit(StageUpdated(report=self.pipeline.reports[name]))
+            running = replace(self.pipeline.reports[name], state=StageState.RUNNING, note="checking…")
+            self._emit(StageUpdated(report=running))
             report = await self.pipeline.run_stage(name)
             self._emit(StageUpdated(report=report))
             reports.append(report)
@@ -144,6 +194,46 @@ class Engine:
         from engine.pipeline import stage_names
 
         return [self.pipeline.report(n) for n in stage_names()]
+
+    # -- jobs and the server (driver only)
+    async def start_server(self, capture: bool = True):
+        self._require_driver("start the server")
+        status = await self.server.start(capture=capture)
+        self._on_server(status)
+        return status
+
+    async def stop_server(self):
+        self._require_driver("stop the server")
+        status = await self.server.stop()
+        self._on_server(status)
+        return status
+
+    def server_users(self) -> list:
+        """Running jobs that need the server (stopping it would disrupt them)."""
+        return [j for j in self.running_jobs() if j.kind in ("extract", "regenerate", "evaluate")]
+
+    async def start_stage_job(self, stage: str):
+        from engine.stagejobs import STARTERS
+
+        self._require_driver(f"start the {stage} job")
+        job = await asyncio.to_thread(STARTERS[stage], self.workspace, self.jobs)
+        self.notify("information", f"{stage} job {job.id} started")
+        return job
+
+    async def stop_job(self, job_id: str, grace: float = 30.0):
+        self._require_driver("stop a job")
+        return await self.jobs.stop(job_id, grace=grace)
+
+    def set_paused(self, job_id: str, paused: bool) -> None:
+        """Ask a pausable job (extraction) to hold after its requests in flight, or to go on."""
+        from engine.extract.job import PAUSE_FILE
+
+        self._require_driver("pause a job")
+        flag = self.jobs.get(job_id).dir / PAUSE_FILE
+        if paused:
+            flag.touch()
+        else:
+            flag.unlink(missing_ok=True)
 
     def running_jobs(self) -> list:
         return [j for j in self.job_list if j.state in ("starting", "running")]

@@ -36,3 +36,17 @@ class JobsUpdated(Event):
 class Notice(Event):
     level: str  # information | warning | error
     text: str
+
+
+@dataclass(frozen=True)
+class ServerUpdated(Event):
+    status: Any  # engine.server.manager.ServerStatus
+
+
+@dataclass(frozen=True)
+class JobEvents(Event):
+    """New lines of a job's events.jsonl (progress, metrics, paused, finished, ...)."""
+
+    job_id: str
+    kind: str
+    events: tuple  # tuple[dict, ...]

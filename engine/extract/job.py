@@ -33,6 +33,7 @@ from engine.records import (
 
 GIB = 2**30
 COMPLETE = "complete.json"
+PAUSE_FILE = "pause.requested"
 
 
 class SampleFailed(Exception):
@@ -121,15 +122,21 @@ class Extractor:
         return {"output": (self.run_dir, int(self.cfg.extract.disk_reserve_gb * GIB)),
                 "spool": (self.spool, int(self.cfg.extract.spool_reserve_gb * GIB))}
 
+    def _pause_reason(self) -> str | None:
+        """Low disk, or a pause the user asked for (a `pause.requested` file in the job folder)."""
+        if self.ctx is not None and (Path(self.ctx.job_dir) / PAUSE_FILE).exists():
+            return "paused by the user"
+        return low_space(self._space_paths())
+
     async def wait_for_space(self) -> None:
-        reason = await asyncio.to_thread(low_space, self._space_paths())
+        reason = await asyncio.to_thread(self._pause_reason)
         if not reason:
             return
         self.progress.paused = reason
         self.event("paused", reason=reason)
         while reason and not self.stopping:
             await asyncio.sleep(1.0)
-            reason = await asyncio.to_thread(low_space, self._space_paths())
+            reason = await asyncio.to_thread(self._pause_reason)
         self.progress.paused = ""
         self.event("resumed")
 
