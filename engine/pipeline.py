@@ -41,7 +41,7 @@ def _stages() -> list[Stage]:
     return [
         Stage("gpus", "GPUs & NCCL", "NVML, GPUs visible, compute capability, free memory, NCCL preset", check_gpus),
         Stage("model", "Target model", "config.json, shapes, capture layers, tokenizer + chat template", check_model),
-        Stage("dataset", "Dataset", "parse, token lengths, truncation, assistant tokens", None, has_job=True),
+        Stage("dataset", "Dataset", "parse, token lengths, truncation, assistant tokens", __import__("engine.checks.dataset", fromlist=["check_dataset"]).check_dataset, has_job=True),
         Stage("server", "Server", "process up, health, capture-safe flags, decode tok/s", check_server,
               has_job=True),
         Stage("capture", "Capture probe", "tokens sent = captured, 0 cached, shapes, finite, argmax", check_capture),
