@@ -1,0 +1,5 @@
+import sys
+
+from engine.train.job import main
+
+sys.exit(main())

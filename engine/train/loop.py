@@ -1,0 +1,366 @@
+"""The training loop: AdamW, warmup + cosine, clipping, bf16 autocast on GPU, metrics, checkpoints,
+exact resume, DDP under torchrun (rank 0 writes), SIGTERM -> checkpoint -> exit."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from engine import atomic
+from engine.train import checkpoint as ckpt
+from engine.train.data import RecordData, Teacher, TrainDataError
+from engine.train.loss import TTTModel, summarize
+from engine.train.model import DraftConfig, Eagle3Drafter
+from engine.train.vocab import build_vocab, draft_vocab_size, validate_vocab
+
+METRICS = "metrics.jsonl"
+VOCAB = "vocab.safetensors"
+
+
+class TrainError(Exception):
+    """Training cannot start or continue; the message names the problem and the fix."""
+
+
+def load_target_embedding(model_dir: Path) -> torch.Tensor:
+    from safetensors import safe_open
+
+    from engine.lmhead import EMBED_NAMES, LmHeadError, _tensor_files
+
+    files = _tensor_files(Path(model_dir))
+    for name in EMBED_NAMES:
+        if name in files:
+            with safe_open(str(files[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+    raise LmHeadError(f"{model_dir}: no embedding tensor (looked for {', '.join(EMBED_NAMES)})")
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    def __init__(self, workspace, ctx=None, resume: bool = False, max_steps: int | None = None,
+                 device: str | None = None, backend: str | None = None):
+        self.ws = workspace
+        self.cfg = workspace.config.train
+        self.ctx = ctx
+        self.resume = resume
+        self.max_steps = max_steps
+        self.stop_requested = False
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if device is None:
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.backend = backend or ("flex" if self.device.type == "cuda" else "sdpa")
+        self.out_dir: Path = workspace.drafter_dir
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def event(self, kind: str, **data) -> None:
+        if not self.is_main:
+            return
+        if self.ctx is not None:
+            self.ctx.event(kind, **data)
+        else:
+            print(json.dumps({"type": kind, **data}, default=str), flush=True)
+
+    def metric(self, record: dict) -> None:
+        if self.is_main:
+            atomic.append_line(self.out_dir / METRICS, json.dumps(record, separators=(",", ":")))
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from engine.checks.model import read_model_config
+        from engine.lmhead import LmHeadError, load_lm_head
+        from engine.records import RecordError, load_token_counts
+
+        if self.world > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        model_dir = self.ws.model_dir
+        try:
+            target = read_model_config(model_dir)
+        except Exception as exc:
+            raise TrainError(f"cannot read the target model config in {model_dir} ({exc}); set model.path") from None
+        text = target.get("text_config") or target
+        hidden = int(text["hidden_size"])
+        run_dir = self.ws.hidden_dir
+        try:
+            self.data = RecordData(run_dir, hidden, self.cfg.max_len, self.cfg.eval_fraction)
+        except RecordError as exc:
+            raise TrainError(f"{exc}; run the extraction first") from None
+        except TrainDataError as exc:
+            raise TrainError(str(exc)) from None
+        meta = self.data.meta
+        layers_sglang = meta.get("layers_sglang") or [int(x) + 1 for x in meta.get("layers") or []]
+        if len(layers_sglang) != 3:
+            raise TrainError(f"{run_dir}/run.json lists no capture layers; re-run the extraction")
+        vocab_size = draft_vocab_size(self.cfg.draft_vocab_size, int(text["vocab_size"]))
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        vocab = self._vocab(run_dir, vocab_size)
+        try:
+            head = load_lm_head(model_dir)
+            embed = load_target_embedding(model_dir)
+        except (LmHeadError, OSError) as exc:
+            raise TrainError(f"target LM head/embedding unavailable: {exc}") from None
+        if head.shape[1] != hidden or embed.shape[1] != hidden:
+            raise TrainError(f"LM head {list(head.shape)} / embedding {list(embed.shape)} do not match hidden {hidden}")
+        dcfg = DraftConfig.from_target(target, vocab_size, layers_sglang)
+        torch.manual_seed(self.cfg.seed)
+        self.model = Eagle3Drafter(dcfg)
+        with torch.no_grad():
+            self.model.embed_tokens.weight.copy_(embed.float())
+            self.model.set_vocab(vocab.d2t, vocab.t2d)
+        self.model.to(self.device)
+        self.gpu = self.device.type == "cuda"
+        self.teacher = Teacher(head.to(self.device, torch.bfloat16 if self.gpu else torch.float32),
+                               vocab.hot_ids)
+        self.ttt = TTTModel(self.model, self.cfg.ttt_steps, self.backend)
+        self.ddp = self.ttt
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(self.ttt, device_ids=[self.device.index] if self.gpu else None,
+                                               broadcast_buffers=False)
+        self.optim = torch.optim.AdamW(self.model.trainable_parameters(), lr=self.cfg.learning_rate,
+                                       weight_decay=0.0)
+        self.steps_per_epoch = self.data.batches_per_epoch(self.cfg.batch_size, self.world)
+        self.total_steps = self.steps_per_epoch * self.cfg.epochs
+        warmup = int(self.cfg.warmup_ratio * self.total_steps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.optim, lambda s: lr_factor(s, self.total_steps, warmup))
+        self.step = 0
+        self.best_sim_al = -1.0
+        if self.resume:
+            self._load_checkpoint()
+        elif ckpt.latest(self.out_dir):
+            raise TrainError(f"{self.out_dir} already holds checkpoints: resume with --resume, or set train.run "
+                             "to a new name (the old drafter is kept)")
+
+    def _vocab(self, run_dir: Path, size: int):
+        """The draft vocabulary, fixed at the first start: regenerating it on resume would misalign lm_head rows."""
+        from safetensors.torch import load, save
+
+        from engine.records import RecordError, load_token_counts
+
+        path = self.out_dir / VOCAB
+        if path.is_file():
+            tensors = load(path.read_bytes())
+            validate_vocab(tensors["d2t"], tensors["t2d"])
+            if tensors["d2t"].shape[0] != size:
+                raise TrainError(f"{path} has {tensors['d2t'].shape[0]} draft tokens, config asks for {size}: "
+                                 "set train.run to a new name to change the draft vocabulary")
+            from engine.train.vocab import DraftVocab
+
+            return DraftVocab(tensors["d2t"], tensors["t2d"], float(tensors["coverage"]))
+        try:
+            counts = load_token_counts(run_dir)
+        except RecordError as exc:
+            raise TrainError(str(exc)) from None
+        vocab = build_vocab(counts, size)
+        validate_vocab(vocab.d2t, vocab.t2d)
+        if self.is_main:
+            atomic.write_bytes(path, save({"d2t": vocab.d2t, "t2d": vocab.t2d,
+                                           "coverage": torch.tensor(vocab.coverage, dtype=torch.float64)}))
+        return vocab
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict:
+        trainable = {k: v for k, v in self.model.state_dict().items() if k != "embed_tokens.weight"}
+        return {
+            "step": self.step, "model": trainable, "optim": self.optim.state_dict(),
+            "sched": self.sched.state_dict(), "best_sim_al": self.best_sim_al,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if self.gpu else None},
+            "config": self.model.cfg.to_dict(), "total_steps": self.total_steps,
+        }
+
+    def save_checkpoint(self) -> Path | None:
+        if not self.is_main:
+            return None
+        path = ckpt.save(self.out_dir, self.step, self._state())
+        self.event("checkpoint", step=self.step, path=str(path))
+        return path
+
+    def _load_checkpoint(self) -> None:
+        try:
+            state = ckpt.load(self.out_dir)
+        except FileNotFoundError:
+            return  # --resume on a fresh run simply starts
+        if state["config"] != self.model.cfg.to_dict():
+            raise TrainError(f"checkpoint in {self.out_dir} was made for another drafter shape; "
+                             "set train.run to a new name")
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optim.load_state_dict(state["optim"])
+        self.sched.load_state_dict(state["sched"])
+        self.step = int(state["step"])
+        self.best_sim_al = float(state["best_sim_al"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if self.gpu and state["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if self.is_main:
+            self._trim_metrics()
+        self.event("resumed", step=self.step)
+
+    def _trim_metrics(self) -> None:
+        """Metric lines after the checkpoint are redone by the resumed run: drop them (no duplicates)."""
+        path = self.out_dir / METRICS
+        try:
+            lines = path.read_text().splitlines()
+        except FileNotFoundError:
+            return
+        kept = []
+        for line in lines:
+            try:
+                if int(json.loads(line).get("step", 0)) <= self.step:
+                    kept.append(line)
+            except (ValueError, AttributeError):
+                continue  # a torn line from a crash
+        atomic.write_text(path, "".join(line + "\n" for line in kept))
+
+    # ------------------------------------------------------------------ steps
+    def _batch_entries(self, step: int) -> list:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = self.data.epoch_order(self.cfg.seed, epoch)
+        per_step = self.cfg.batch_size * self.world
+        start = index * per_step + self.rank * self.cfg.batch_size
+        return order[start:start + self.cfg.batch_size]
+
+    def _forward(self, batch):
+        batch = batch.to(self.device)
+        teacher = self.teacher(batch, torch.bfloat16 if self.gpu else torch.float32)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.gpu):
+            return self.ddp(batch, teacher)
+
+    def train_step(self, batch) -> tuple[torch.Tensor, float]:
+        self.model.train()
+        loss, stats = self._forward(batch)
+        self.optim.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.trainable_parameters(), self.cfg.grad_clip or 1e9)
+        self.optim.step()
+        self.sched.step()
+        self.step += 1
+        return stats, float(grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict | None:
+        entries = self.data.eval_entries[self.rank::self.world]
+        if not self.data.eval_entries:
+            return None
+        self.model.eval()
+        total = None
+        for i in range(0, len(entries), self.cfg.batch_size):
+            _, stats = self._forward(self.data.collate(entries[i:i + self.cfg.batch_size]))
+            total = stats if total is None else total + stats
+        if total is None:
+            total = torch.zeros(self.cfg.ttt_steps, 5, device=self.device)
+        total = self._all_reduce(total)
+        return summarize(total)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            torch.distributed.all_reduce(tensor)
+        return tensor
+
+    def _should_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop_requested or (self.ctx and self.ctx.stop_requested) else 0.0],
+                            device=self.device)
+        return bool(self._all_reduce(flag).item() > 0)
+
+    def _eval_and_best(self, train_summary: dict | None) -> None:
+        summary = self.evaluate()
+        source = summary or train_summary
+        if summary is not None:
+            self.metric({"type": "eval", "step": self.step, "epoch": self.step / self.steps_per_epoch,
+                         "t": time.time(), **summary})
+            self.event("eval", step=self.step, sim_al=summary["sim_al"], loss=summary["loss"])
+        self.save_checkpoint()
+        if self.is_main and source is not None and source["sim_al"] > self.best_sim_al:
+            self.best_sim_al = source["sim_al"]
+            ckpt.mark_best(self.out_dir, self.step, self.best_sim_al)
+        if self.is_main:
+            ckpt.prune(self.out_dir)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        self.setup()
+        self.event("started", step=self.step, total_steps=self.total_steps, train=len(self.data.train_entries),
+                   eval=len(self.data.eval_entries), device=str(self.device), world=self.world, backend=self.backend)
+        limit = self.total_steps if self.max_steps is None else min(self.total_steps, self.step + self.max_steps)
+        window, tokens, grad_norm, last_summary = None, 0, 0.0, None
+        t0 = time.perf_counter()
+        saved_at = self.step
+        while self.step < limit:
+            if self._should_stop():
+                self.save_checkpoint()
+                self.event("stopped", step=self.step)
+                return 0
+            batch = self.data.collate(self._batch_entries(self.step))
+            stats, grad_norm = self.train_step(batch)
+            window = stats if window is None else window + stats
+            tokens += batch.tokens
+            if self.step % self.cfg.log_every == 0 or self.step == limit:
+                window = self._all_reduce(window)
+                elapsed = time.perf_counter() - t0
+                summary = summarize(window)
+                last_summary = summary
+                rate = tokens * self.world / max(elapsed, 1e-9)
+                self.metric({"type": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
+                             "t": time.time(), "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm,
+                             "tokens_per_s": rate, **summary})
+                if self.ctx is not None and self.is_main:
+                    self.ctx.progress(self.step, self.total_steps, loss=round(summary["loss"], 4),
+                                      sim_al=round(summary["sim_al"], 3), tokens_per_s=round(rate, 1))
+                window, tokens, t0 = None, 0, time.perf_counter()
+            if self.step % self.cfg.save_every == 0:
+                self._eval_and_best(last_summary)
+                saved_at = self.step
+        if saved_at != self.step:
+            self._eval_and_best(last_summary)
+        if self.step >= self.total_steps:
+            self.export()
+        return 0
+
+    def export(self) -> Path | None:
+        """Export the best checkpoint (by simulated acceptance length), else the current weights."""
+        from engine.train.export import export_drafter
+
+        if not self.is_main:
+            return None
+        marker = ckpt.best(self.out_dir)
+        if marker:
+            state = ckpt.load(self.out_dir, marker["path"])
+            model = Eagle3Drafter(self.model.cfg)
+            model.load_state_dict({**state["model"], "embed_tokens.weight": self.model.embed_tokens.weight.cpu()})
+        else:
+            model = self.model
+        path = export_drafter(model, self.out_dir / "export")
+        self.event("finished", step=self.step, export=str(path), best_sim_al=self.best_sim_al,
+                   best_step=(marker or {}).get("step"))
+        return path
+
+
+def install_stop_handler(trainer: Trainer) -> None:
+    """Without a job context (run by hand or as a torchrun rank) SIGTERM still means: checkpoint, then exit."""
+
+    def on_signal(signum, frame):
+        trainer.stop_requested = True
+
+    signal.signal(signal.SIGTERM, on_signal)
