@@ -345,7 +345,7 @@ def test_regenerate_job_writes_new_file_and_resumes_after_kill(tmp_path: Path, g
     from engine.jobs import JobManager
     from engine.server.manager import STATE_FILE
 
-    n = 12
+    n = 8
     convs = [[{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": "old answer"},
               {"role": "user", "content": "and?"}, {"role": "assistant", "content": "old again"}] for i in range(n)]
     lines = [{"id": f"q{i}", "messages": c} for i, c in enumerate(convs)]

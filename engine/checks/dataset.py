@@ -19,6 +19,8 @@ from engine.dataset.tokenize import TokenizerError, load_tokenizer
 from engine.datastats import file_fingerprint, write_stats
 
 SHOW_BAD = 3
+METHOD_TEXT = {"generation": "the template's {% generation %} blocks",
+               "prefix-diff": "prefix-diff (the template has no {% generation %} block)"}
 
 
 def _file_check(label: str, key: str, path: Path) -> CheckResult | None:
@@ -59,7 +61,7 @@ def _results_for(label: str, stats: DatasetStats) -> list[CheckResult]:
         f"{label}_tokens",
         f"{stats.samples:,} samples, {stats.total_tokens:,} tokens ({stats.total_tokens_after_truncation:,} after "
         f"truncation), {stats.trainable_tokens:,} trainable ({pct:.0f}%), longest {stats.longest:,}; "
-        f"mask by {stats.mask_method}; tokenised in {stats.seconds:.2f} s{_ids_note(stats)}\n"
+        f"assistant mask by {METHOD_TEXT.get(stats.mask_method, stats.mask_method)}; tokenised in {stats.seconds:.2f} s{_ids_note(stats)}\n"
         + histogram_text(stats.histogram)))
     if stats.over_max_len:
         results.append(warned(

@@ -312,7 +312,8 @@ def main_regenerate(opts: RegenerateOptions) -> int:
     try:
         summary = asyncio.run(run_regeneration(opts, reporter))
     except (RegenerateError, DatasetError, TokenizerError, ConfigError) as exc:
-        reporter.event("error", message=str(exc))
+        if reporter.ctx is not None:
+            reporter.ctx.event("error", message=str(exc))
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     reporter.event("finished", **summary.to_dict())
