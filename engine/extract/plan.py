@@ -60,5 +60,5 @@ def build_plan(workspace, limit: int | None = None) -> Plan:
         samples.append(PlannedSample(sample.index, sample.id, list(tok.input_ids), list(tok.loss_mask)))
         if limit is not None and len(samples) >= limit:
             break
-    bad = len(getattr(reader, "bad_lines", []) or [])
+    bad = int(getattr(reader, "bad_count", 0))
     return Plan(samples, str(dataset), _fingerprint(dataset, workspace.model_dir, cfg.dataset.max_seq_len), bad, truncated)
