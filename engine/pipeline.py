@@ -48,7 +48,7 @@ def _stages() -> list[Stage]:
         Stage("disk", "Disk", "output dirs writable, bytes needed fit under free minus reserve", check_disk),
         Stage("extract", "Extraction", "manifest covers every sample and verifies", check_extract,
               has_job=True),
-        Stage("train", "Training", "export loads with SGLang's expected weights", None, has_job=True),
+        Stage("train", "Training", "export loads with SGLang's expected weights", __import__("engine.checks.train", fromlist=["check_train"]).check_train, has_job=True),
         Stage("evaluate", "Evaluation", "acceptance length and speedup measured", None, has_job=True),
     ]
 
