@@ -19,10 +19,19 @@ from textual.screen import Screen
 from textual.widgets import Footer, Tab, Tabs
 from textual.worker import Worker, WorkerState
 
+from eagle3_console.actions import PANE_BINDINGS, JobActions
 from eagle3_console.header import ConsoleHeader
 from eagle3_console.help import HelpScreen
 from eagle3_console.layout import WIDE_MIN_COLUMNS, PaneDeck
-from eagle3_console.messages import DiskChanged, GpuChanged, JobsChanged, RunChecks, StageChanged
+from eagle3_console.messages import (
+    DiskChanged,
+    GpuChanged,
+    JobEventsArrived,
+    JobsChanged,
+    RunChecks,
+    ServerChanged,
+    StageChanged,
+)
 from eagle3_console.panes import ExtractionPane, GpuPane, PipelinePane, ServerPane, TrainingPane
 
 # (tab id, tab label); the number keys follow this order.
@@ -36,7 +45,7 @@ TABS: list[tuple[str, str]] = [
 SHIPPED_THEMES = ("eagle3-dark", "eagle3-light", "eagle3-contrast")
 
 
-class ConsoleApp(App[int]):
+class ConsoleApp(JobActions, App[int]):
     """The eagle3 console. `engine` is an engine.core.Engine (driving or read-only)."""
 
     TITLE = "eagle3-console"
@@ -52,6 +61,7 @@ class ConsoleApp(App[int]):
         Binding("question_mark", "help", "Help", key_display="?", id="help"),
         *[Binding(str(i), f"show_tab('{tab}')", label, show=False, id=f"tab-{tab}")
           for i, (tab, label) in enumerate(TABS, start=1)],
+        *PANE_BINDINGS,  # shown only while their pane is active (JobActions.check_action)
     ]
 
     def __init__(self, engine) -> None:
@@ -103,7 +113,7 @@ class ConsoleApp(App[int]):
             yield ServerPane()
             yield PipelinePane(stages(), engine.reports())
             yield ExtractionPane()
-            yield TrainingPane()
+            yield TrainingPane(drafter_dir=self.workspace.drafter_dir, poll_s=engine.config.ui.refresh_s)
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -118,6 +128,8 @@ class ConsoleApp(App[int]):
             self.notify(self._theme_warning, severity="warning", timeout=10)
         if self.engine.gpu_snapshot is not None:
             self.query_one(GpuPane).post_message(GpuChanged(self.engine.gpu_snapshot))
+        if self.engine.server_status is not None:
+            self.query_one(ServerPane).post_message(ServerChanged(self.engine.server_status))
         await self.engine.start()
 
     async def on_unmount(self) -> None:
@@ -134,7 +146,15 @@ class ConsoleApp(App[int]):
 
     # -- engine events -> pane messages
     def _on_engine_event(self, event) -> None:
-        from engine.events import DiskUpdated, GpuUpdated, JobsUpdated, Notice, StageUpdated
+        from engine.events import (
+            DiskUpdated,
+            GpuUpdated,
+            JobEvents,
+            JobsUpdated,
+            Notice,
+            ServerUpdated,
+            StageUpdated,
+        )
 
         if isinstance(event, GpuUpdated):
             self.query_one(GpuPane).post_message(GpuChanged(event.snapshot))
@@ -144,6 +164,12 @@ class ConsoleApp(App[int]):
             self.query_one(PipelinePane).post_message(StageChanged(event.report))
         elif isinstance(event, JobsUpdated):
             self.post_message(JobsChanged(event.jobs))
+        elif isinstance(event, ServerUpdated):
+            self.query_one(ServerPane).post_message(ServerChanged(event.status))
+        elif isinstance(event, JobEvents):
+            pane = {"extract": ExtractionPane, "train": TrainingPane}.get(event.kind)
+            if pane is not None:
+                self.query_one(pane).post_message(JobEventsArrived(event.job_id, event.kind, event.events))
         elif isinstance(event, Notice):
             severity = event.level if event.level in ("information", "warning", "error") else "information"
             self.notify(event.text, severity=severity)
@@ -151,6 +177,8 @@ class ConsoleApp(App[int]):
     def on_jobs_changed(self, message: JobsChanged) -> None:
         running = sum(1 for job in message.jobs if job.state in ("starting", "running"))
         self.query_one(ConsoleHeader).set_running_jobs(running)
+        for pane in (ExtractionPane, TrainingPane):
+            self.query_one(pane).post_message(JobsChanged(message.jobs))
 
     # -- layout
     def on_resize(self, event) -> None:
@@ -164,6 +192,7 @@ class ConsoleApp(App[int]):
     def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
         if event.tab is not None and event.tab.id:
             self.query_one(PaneDeck).activate(event.tab.id)
+            self.refresh_bindings()  # each pane's keys show only while it is active
 
     # -- actions
     def action_show_tab(self, tab: str) -> None:
@@ -171,6 +200,7 @@ class ConsoleApp(App[int]):
         deck = self.query_one(PaneDeck)
         self.query_one("#tabs", Tabs).active = tab
         deck.activate(tab)
+        self.refresh_bindings()
         if tab == "pipeline":
             self.query_one("#stage-table").focus()
         elif not deck.wide:
@@ -248,6 +278,7 @@ class ConsoleApp(App[int]):
         yield SystemCommand("Run all checks", "Run every stage's checks in pipeline order (R)", self.action_run_all)
         yield SystemCommand("Next theme", "Cycle eagle3-dark → light → contrast (t)", self.action_cycle_theme)
         yield SystemCommand("Keys and help", "Show every key binding (?)", self.action_help)
+        yield from self.job_commands(screen)
         for i, (tab, label) in enumerate(TABS, start=1):
             yield SystemCommand(f"Show {label}", f"Switch to the {label} pane ({i})", partial(self.action_show_tab, tab))
         yield SystemCommand("Close console (jobs keep running)", "Quit the console; jobs keep running (q)",

@@ -60,3 +60,47 @@ class RunChecks(Message):
     def __init__(self, names: list[str] | None) -> None:
         super().__init__()
         self.names = names
+
+
+class ServerChanged(Message, bubble=False):
+    """A new server status (engine.server.manager.ServerStatus)."""
+
+    def __init__(self, status: Any) -> None:
+        super().__init__()
+        self.status = status
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ServerChanged)
+
+
+class ServerActionFailed(Message, bubble=False):
+    """Starting or stopping the server failed: the reason and the server log's last lines."""
+
+    def __init__(self, reason: str, log_tail: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.reason = reason
+        self.log_tail = tuple(log_tail)
+
+
+class JobEventsArrived(Message, bubble=False):
+    """New events of one job (dicts from its events.jsonl); never coalesced: they are increments."""
+
+    def __init__(self, job_id: str, kind: str, events: tuple) -> None:
+        super().__init__()
+        self.job_id = job_id
+        self.kind = kind
+        self.events = events
+
+
+class TrainingMetricsRead(Message, bubble=False):
+    """Lines read from the drafter's metrics.jsonl by a worker, plus the checkpoint pointers.
+
+    `reset` means the file was replaced or truncated (a new run): drop what was shown.
+    """
+
+    def __init__(self, records: list, reset: bool, latest: dict | None, best: dict | None) -> None:
+        super().__init__()
+        self.records = records
+        self.reset = reset
+        self.latest = latest
+        self.best = best

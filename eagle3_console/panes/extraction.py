@@ -1,26 +1,49 @@
-"""Extraction pane: progress of hidden-state extraction, and the disks it writes to."""
+"""Extraction pane: progress of hidden-state extraction, and the disks it writes to.
+
+Everything shown comes from the extraction job's own events (engine.extract.job): progress
+(samples, tokens, rates, ETA, bytes written), pauses with their reason, bad samples and
+retries, outages, and the final result. The disk gauge of the output filesystem also shows
+where usage will be at completion (bytes per token so far × tokens still to go), against the
+reserve. Keys (app-level, shown while this pane is active): `x` start, `p` pause/resume,
+`X` stop (asks first).
+"""
 
 from __future__ import annotations
 
-from textual.app import ComposeResult
-from textual.widgets import Static
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
-from eagle3_console.messages import DiskChanged
+from textual.app import ComposeResult
+from textual.containers import Horizontal, VerticalScroll
+from textual.widgets import ProgressBar, Sparkline, Static
+
+from eagle3_console.fmt import fmt_count, fmt_duration
+from eagle3_console.messages import DiskChanged, JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc
 
+HISTORY = 120  # rate samples kept for the sparklines (one per progress event, ~1/s)
+USER_PAUSE = "paused by the user"  # the reason engine.extract.job gives for the pause flag
+ACTIVE = ("starting", "running")
 
-def disk_gauge(usage, width: int) -> list[str]:
-    """Two lines for one filesystem: a used/total bar with the reserve marked, then figures.
+
+def disk_gauge(usage, width: int, projected_used: int | None = None) -> list[str]:
+    """Lines for one filesystem: a used/total bar with the reserve marked, then figures.
 
     The bar's right end is the reserve (▒): space jobs must leave free. Used space fills
-    from the left; it turns $error once free space is inside the reserve.
+    from the left; it turns $error once free space is inside the reserve. With
+    `projected_used`, the cells up to the usage expected at completion show as ▓, and a
+    line says whether that projection stays clear of the reserve.
     """
     from engine.disk import fmt_bytes
 
     width = max(10, width)
     total = max(1, usage.total)
     used_cells = min(width, round(width * usage.used / total))
+    proj_cells = used_cells
+    if projected_used is not None:
+        proj_cells = min(width, max(used_cells, round(width * projected_used / total)))
     reserve_cells = min(width, max(1 if usage.reserve else 0, round(width * usage.reserve / total)))
     reserve_start = width - reserve_cells
     colour = "$error" if usage.below_reserve else "$primary"
@@ -28,52 +51,293 @@ def disk_gauge(usage, width: int) -> list[str]:
     for i in range(width):
         if i < used_cells:
             cells.append(f"[{colour}]█[/]")
+        elif i < proj_cells:
+            cells.append(f"[{'$error' if i >= reserve_start else '$accent'}]▓[/]")
         elif i >= reserve_start:
             cells.append("[$warning]▒[/]")
         else:
             cells.append("[$text-muted]·[/]")
     flag = "  [$error]below reserve[/]" if usage.below_reserve else ""
     label = esc(clip(usage.label, max(8, width - 10)))
-    return [
+    lines = [
         f"[b]{label}[/b] [$text-muted]on[/] {esc(usage.mount)}",
         "".join(cells),
         f"free {fmt_bytes(usage.free)} of {fmt_bytes(usage.total)} · used {fmt_bytes(usage.used)}"
         f" · reserve {fmt_bytes(usage.reserve)}{flag}",
     ]
+    if projected_used is not None:
+        free_after = usage.total - projected_used
+        ok = free_after >= usage.reserve
+        verdict = "[$success]clear of the reserve[/]" if ok else "[$error]INSIDE the reserve: extraction will pause[/]"
+        lines.append(f"at completion ▓ used {fmt_bytes(projected_used)}, free {fmt_bytes(max(0, free_after))} · {verdict}")
+    return lines
+
+
+@dataclass
+class ExtractionView:
+    """What the pane knows about the newest extraction job, folded from its events."""
+
+    job_id: str = ""
+    job_state: str = ""
+    phase: str = ""  # planning | running | paused | finished | stopped | error | incomplete
+    done: int = 0
+    total: int = 0
+    tokens: int = 0
+    total_tokens: int = 0
+    bytes: int = 0
+    bad: int = 0
+    tokens_per_s: float | None = None
+    mb_per_s: float | None = None
+    eta_s: float | None = None
+    paused: str = ""
+    output_mount: str = ""
+    budget: str = ""
+    truncated: int = 0
+    resumed: int = 0
+    last_bad: str = ""
+    retries: int = 0
+    server_down: str = ""
+    result: str = ""
+    tok_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    mb_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+
+    def apply(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind == "progress":
+            for key in ("done", "total", "tokens", "total_tokens", "bytes", "bad"):
+                if isinstance(event.get(key), (int, float)):
+                    setattr(self, key, int(event[key]))
+            self.tokens_per_s = event.get("tokens_per_s")
+            self.mb_per_s = event.get("mb_per_s")
+            self.eta_s = event.get("eta_s")
+            self.paused = str(event.get("paused") or "")
+            self.output_mount = str(event.get("output_mount") or self.output_mount)
+            self.tok_history.append(float(self.tokens_per_s or 0.0))
+            self.mb_history.append(float(self.mb_per_s or 0.0))
+            if self.phase in ("", "planning", "running", "paused"):
+                self.phase = "paused" if self.paused else "running"
+        elif kind == "planning":
+            self.phase = "planning"
+        elif kind == "started":
+            self.phase = "running"
+            self.total = int(event.get("samples") or self.total)
+            self.budget = str(event.get("budget") or "")
+            self.truncated = int(event.get("truncated") or 0)
+            self.resumed = int(event.get("resumed") or 0)
+        elif kind == "paused":
+            self.phase, self.paused = "paused", str(event.get("reason") or "paused")
+        elif kind == "resumed":
+            self.phase, self.paused = "running", ""
+        elif kind == "bad_sample":
+            self.last_bad = f"{event.get('id', '?')}: {event.get('reason', '')}"
+        elif kind == "retry":
+            self.retries += 1
+        elif kind == "server_down":
+            self.server_down = str(event.get("url") or "server")
+        elif kind == "server_up":
+            self.server_down = ""
+        elif kind == "finished":
+            self.phase = "finished"
+            self.result = f"finished: {event.get('samples', '?')} samples, {fmt_count(event.get('tokens'))} tokens"
+        elif kind == "stopped":
+            self.phase = "stopped"
+            self.result = f"stopped at {event.get('done', '?')}/{event.get('total', '?')}; start again to resume"
+        elif kind == "incomplete":
+            self.phase = "incomplete"
+            self.result = f"incomplete: {event.get('count', '?')} samples missing; start again to redo them"
+        elif kind == "error":
+            self.phase = "error"
+            self.result = f"error: {event.get('message', '')}"
+
+    @property
+    def remaining_bytes(self) -> int | None:
+        """Bytes still to write: bytes per token so far × tokens to go (None before any data)."""
+        if self.tokens <= 0 or self.bytes <= 0 or self.total_tokens <= 0:
+            return None
+        return int(self.bytes / self.tokens * max(0, self.total_tokens - self.tokens))
+
+
+def notice_for(event: dict) -> tuple[str, str] | None:
+    """(severity, text) for events worth a notification the engine does not send itself."""
+    kind = event.get("type")
+    if kind == "finished":
+        return "information", f"extraction finished: {event.get('samples', '?')} samples, bad {event.get('bad', 0)}"
+    if kind == "error":
+        return "error", f"extraction failed: {event.get('message', '')}"
+    if kind == "incomplete":
+        return "warning", f"extraction incomplete: {event.get('count', '?')} samples missing"
+    if kind == "bad_sample":
+        return "warning", f"bad sample {event.get('id', '?')}: {event.get('reason', '')}"
+    return None
+
+
+PHASE_COLOURS = {"running": "$success", "paused": "$warning", "finished": "$success", "stopped": "$warning",
+                 "error": "$error", "incomplete": "$warning", "planning": "$primary"}
 
 
 class ExtractionPane(Pane):
-    """Extraction progress (empty for now) and a disk gauge per written filesystem."""
+    """Extraction progress from the job's events, and a disk gauge per written filesystem."""
 
     PANE_ID = "extraction"
     TITLE = "Extraction"
     DEFAULT_CSS = """
-    ExtractionPane #extract-state { height: auto; margin-bottom: 1; }
-    ExtractionPane #disk-gauges { height: auto; }
+    ExtractionPane #extract-scroll { height: 1fr; }
+    ExtractionPane #extract-state { height: auto; }
+    ExtractionPane #extract-bar { height: 1; }
+    ExtractionPane #extract-bar Bar { width: 1fr; }
+    ExtractionPane #extract-numbers { height: auto; }
+    ExtractionPane .rate-row { height: 1; }
+    ExtractionPane .rate-label { width: 18; }
+    ExtractionPane .rate-spark { width: 1fr; height: 1; }
+    ExtractionPane #extract-warnings { height: auto; }
+    ExtractionPane #extract-paused { height: auto; background: $warning 20%; color: $text; text-style: bold; }
+    ExtractionPane #disk-gauges { height: auto; margin-top: 1; }
     """
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.usages: tuple = ()
+        self.view = ExtractionView()
+        self.mounted_at = time.time()
+        # The user's last pause/resume request until the job's events confirm it (None: none pending).
+        self.pause_requested: bool | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static(
-            "[b]no extraction run yet[/b]\n[$text-muted]Pass the checks up to `disk`, then extraction starts here.[/]",
-            id="extract-state",
-        )
-        yield Static("[$text-muted]measuring disks…[/]", id="disk-gauges")
+        # Scrolls (Tab focuses it) when the disks do not fit under the progress at 80x24.
+        with VerticalScroll(id="extract-scroll"):
+            yield Static(
+                "[b]no extraction run yet[/b]\n[$text-muted]Pass the checks up to `disk`, then press [b]x[/b] to "
+                "extract.[/]",
+                id="extract-state",
+            )
+            yield Static("", id="extract-paused")
+            yield ProgressBar(total=None, show_eta=False, id="extract-bar")
+            yield Static("", id="extract-numbers")
+            with Horizontal(classes="rate-row", id="tok-row"):
+                yield Static("", classes="rate-label", id="tok-label")
+                yield Sparkline([], classes="rate-spark", id="tok-spark")
+            with Horizontal(classes="rate-row", id="mb-row"):
+                yield Static("", classes="rate-label", id="mb-label")
+                yield Sparkline([], classes="rate-spark", id="mb-spark")
+            yield Static("", id="extract-warnings")
+            yield Static("[$text-muted]measuring disks…[/]", id="disk-gauges")
 
+    def on_mount(self) -> None:
+        self.mounted_at = time.time()
+        self._render_view()
+
+    # -- messages
     def on_disk_changed(self, message: DiskChanged) -> None:
         self.usages = tuple(message.usages)
         self._render_gauges()
 
+    def on_jobs_changed(self, message: JobsChanged) -> None:
+        newest = next((j for j in message.jobs if j.kind == "extract"), None)
+        if newest is None:
+            return
+        if newest.id != self.view.job_id:
+            self.view = ExtractionView(job_id=newest.id)
+        if newest.state != self.view.job_state:
+            self.view.job_state = newest.state
+            self._render_view()
+
+    def on_job_events_arrived(self, message: JobEventsArrived) -> None:
+        if message.kind != "extract":
+            return
+        if message.job_id != self.view.job_id:
+            self.view = ExtractionView(job_id=message.job_id, job_state=self.view.job_state)
+        for event in message.events:
+            self.view.apply(event)
+            if self.pause_requested is not None and self.user_paused == self.pause_requested:
+                self.pause_requested = None  # the job did what was asked
+            notice = notice_for(event)
+            # History replayed on attach is not news: only events newer than this console notify.
+            if notice and float(event.get("t") or 0) >= self.mounted_at - 1:
+                self.app.notify(notice[1], severity=notice[0], timeout=8 if notice[0] != "error" else 15)
+        self._render_view()
+        self._render_gauges()
+
     def on_resize(self) -> None:
+        self._render_view()
         if self.usages:
             self._render_gauges()
 
+    # -- read by the app's actions and by tests
+    @property
+    def running_job_id(self) -> str | None:
+        return self.view.job_id if self.view.job_id and self.view.job_state in ACTIVE else None
+
+    @property
+    def user_paused(self) -> bool:
+        return self.view.paused == USER_PAUSE
+
+    def wants_pause(self) -> bool:
+        """Whether the user's pause is in force (or asked for and not yet confirmed)."""
+        return self.user_paused if self.pause_requested is None else self.pause_requested
+
+    # -- rendering
+    def _render_view(self) -> None:
+        v = self.view
+        state = self.query_one("#extract-state", Static)
+        parts = [self.query_one("#extract-bar"), self.query_one("#extract-numbers"), self.query_one("#tok-row"),
+                 self.query_one("#mb-row")]
+        paused = self.query_one("#extract-paused", Static)
+        if not v.job_id:
+            for part in parts:
+                part.display = False
+            paused.display = False
+            self.query_one("#extract-warnings", Static).display = False
+            return
+        phase = v.phase or v.job_state or "starting"
+        colour = PHASE_COLOURS.get(phase, "$text-muted")
+        job = f"job {esc(v.job_id)}" + (f" · {esc(v.job_state)}" if v.job_state and v.job_state != phase else "")
+        lines = [f"[{colour}]● [b]{esc(phase)}[/b][/] · {job}"]
+        if v.result:
+            lines.append(f"[{colour}]{esc(v.result)}[/]")
+        state.update("\n".join(lines))
+        paused.display = bool(v.paused) and phase == "paused"
+        paused.update(f"PAUSED: {esc(v.paused)}" + ("  (p resumes)" if v.paused == USER_PAUSE else ""))
+        for part in parts:
+            part.display = v.total > 0
+        bar = self.query_one("#extract-bar", ProgressBar)
+        if v.total:
+            bar.update(total=v.total, progress=v.done)
+        eta = fmt_duration(v.eta_s) if v.eta_s is not None and phase == "running" else "—"
+        tokens = f"{fmt_count(v.tokens)}/{fmt_count(v.total_tokens)}" if v.total_tokens else fmt_count(v.tokens)
+        self.query_one("#extract-numbers", Static).update(
+            f"samples [b]{v.done}/{v.total}[/b] · tokens {tokens} · ETA [b]{eta}[/b] · "
+            f"bad {'[$error]' if v.bad else ''}{v.bad}{'[/]' if v.bad else ''}")
+        tok_s = "?" if v.tokens_per_s is None else fmt_count(v.tokens_per_s)
+        mb_s = "?" if v.mb_per_s is None else f"{v.mb_per_s:.1f}"
+        self.query_one("#tok-label", Static).update(f"tok/s [b]{tok_s}[/b]")
+        self.query_one("#mb-label", Static).update(f"MB/s  [b]{mb_s}[/b]")
+        self.query_one("#tok-spark", Sparkline).data = list(v.tok_history) or [0.0]
+        self.query_one("#mb-spark", Sparkline).data = list(v.mb_history) or [0.0]
+        self._render_warnings()
+
+    def _render_warnings(self) -> None:
+        v = self.view
+        width = max(30, self.content_region.width or 76)
+        warnings = []
+        if v.server_down:
+            warnings.append(f"[$error]server down ({esc(clip(v.server_down, 40))}): waiting, restarting if ours[/]")
+        if v.truncated:
+            warnings.append(f"[$warning]{v.truncated} sample(s) truncated at dataset.max_seq_len[/]")
+        if v.last_bad:
+            warnings.append(f"[$warning]bad: {esc(clip(v.last_bad, width - 6))}[/]")
+        if v.retries:
+            warnings.append(f"[$text-muted]{v.retries} retried request(s)[/]")
+        widget = self.query_one("#extract-warnings", Static)
+        widget.display = bool(warnings)
+        widget.update("\n".join(warnings))
+
     def _render_gauges(self) -> None:
         width = max(20, (self.content_region.width or 76))
+        remaining = self.view.remaining_bytes if self.view.phase in ("running", "paused") else None
         lines: list[str] = []
         for usage in self.usages:
-            lines.extend(disk_gauge(usage, width))
+            projected = None
+            if remaining is not None and usage.mount == self.view.output_mount:
+                projected = usage.used + remaining
+            lines.extend(disk_gauge(usage, width, projected))
         self.query_one("#disk-gauges", Static).update("\n".join(lines) or "[$warning]no disk readable[/]")

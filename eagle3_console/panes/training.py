@@ -1,24 +1,390 @@
-"""Training pane: loss curves of the drafter run. Empty until a run exists."""
+"""Training pane: live curves of the drafter run, its speed, checkpoints and best result.
+
+The training job appends one JSON line per log step to `<drafter_dir>/metrics.jsonl`
+(engine.train.loop): `type` train|eval, `step`, `t`, `loss`, `loss_pos` [per TTT position],
+`acc` [per position], `accept`, `sim_al` (simulated acceptance length), and on train lines
+`lr`, `grad_norm`, `tokens_per_s`. A thread worker reads only the bytes added since the last
+read (a line still being written waits for the next read); a replaced file (a resumed run
+trims it atomically) is read again from the start. Missing keys are shown as "?".
+
+Keys (app-level, shown while this pane is active): `T` start/resume, `K` stop (asks first),
+`c` next curve when only one fits.
+"""
 
 from __future__ import annotations
 
-from textual.app import ComposeResult
-from textual.widgets import Static
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from textual import work
+from textual.app import ComposeResult
+from textual.color import Color
+from textual.containers import Horizontal
+from textual.widgets import Static
+from textual_plotext import PlotextPlot
+
+from eagle3_console.fmt import fmt_count, fmt_duration, fmt_num
+from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetricsRead
 from eagle3_console.panes.base import Pane
+from eagle3_console.render import esc
+
+METRICS_FILE = "metrics.jsonl"
+CKPT_DIR = "checkpoints"  # engine.train.checkpoint layout (not imported: it pulls in torch)
+CURVES = ("loss", "acc", "al")
+CURVE_TITLES = {"loss": "loss", "acc": "accuracy per position", "al": "simulated acceptance length"}
+SHOWN_POSITIONS = (0, 1, 3, 6)  # a few TTT positions; all of them would be unreadable
+MAX_POINTS = 400  # plotted points per line (older ones are thinned, not dropped from memory)
+ALL_CURVES_MIN_WIDTH = 120
+ACTIVE = ("starting", "running")
+
+
+@dataclass
+class MetricsTail:
+    """Where the reader stopped in metrics.jsonl: the file's identity and the byte offset."""
+
+    inode: int | None = None
+    offset: int = 0
+
+
+def read_new_metrics(path: Path, tail: MetricsTail) -> tuple[list[dict], bool]:
+    """Complete JSON lines added since `tail` (updated in place); True if the file was replaced.
+
+    Runs in a worker thread. A torn last line stays for the next read; a complete line that
+    is not a JSON object is skipped.
+    """
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        reset = tail.inode is not None
+        tail.inode, tail.offset = None, 0
+        return [], reset
+    reset = tail.inode is not None and (stat.st_ino != tail.inode or stat.st_size < tail.offset)
+    if reset or tail.inode is None:
+        tail.inode, tail.offset = stat.st_ino, 0
+    if stat.st_size == tail.offset:
+        return [], reset
+    with open(path, "rb") as handle:
+        handle.seek(tail.offset)
+        data = handle.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    tail.offset += len(complete)
+    records = []
+    for line in complete.splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            records.append(item)
+    return records, reset
+
+
+def read_pointer(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _float(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass
+class Series:
+    steps: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+    def add(self, step: float, value) -> None:
+        number = _float(value)
+        if number is not None:
+            self.steps.append(step)
+            self.values.append(number)
+
+    def thinned(self) -> tuple[list[float], list[float]]:
+        stride = max(1, len(self.steps) // MAX_POINTS)
+        xs, ys = self.steps[::stride], self.values[::stride]
+        if self.steps and xs[-1] != self.steps[-1]:  # always show the newest point
+            xs, ys = xs + [self.steps[-1]], ys + [self.values[-1]]
+        return xs, ys
+
+
+@dataclass
+class TrainingView:
+    """Curves and figures folded from metrics lines and the train job's events."""
+
+    loss: Series = field(default_factory=Series)
+    eval_loss: Series = field(default_factory=Series)
+    acc: dict[int, Series] = field(default_factory=dict)
+    sim_al: Series = field(default_factory=Series)
+    eval_sim_al: Series = field(default_factory=Series)
+    last_train: dict = field(default_factory=dict)
+    last_eval: dict = field(default_factory=dict)
+    rate_points: list[tuple[float, float]] = field(default_factory=list)  # (t, step) of train lines
+    best_al: float | None = None
+    best_step: int | None = None
+    total_steps: int | None = None
+
+    def add(self, record: dict) -> None:
+        step = _float(record.get("step"))
+        if step is None:
+            return
+        kind = record.get("type", "train")
+        al = _float(record.get("sim_al"))
+        if kind == "eval":
+            self.last_eval = record
+            self.eval_loss.add(step, record.get("loss"))
+            self.eval_sim_al.add(step, al)
+        else:
+            self.last_train = record
+            self.loss.add(step, record.get("loss"))
+            self.sim_al.add(step, al)
+            acc = record.get("acc")
+            if isinstance(acc, list):
+                for pos, value in enumerate(acc):
+                    self.acc.setdefault(pos, Series()).add(step, value)
+            t = _float(record.get("t"))
+            if t is not None:
+                self.rate_points = (self.rate_points + [(t, step)])[-20:]
+        if al is not None and (self.best_al is None or al > self.best_al):
+            self.best_al, self.best_step = al, int(step)
+
+    @property
+    def step(self) -> int | None:
+        steps = [_float(r.get("step")) for r in (self.last_train, self.last_eval) if r]
+        steps = [s for s in steps if s is not None]
+        return int(max(steps)) if steps else None
+
+    @property
+    def steps_per_s(self) -> float | None:
+        if len(self.rate_points) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.rate_points[0], self.rate_points[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
+
+    @property
+    def eta_s(self) -> float | None:
+        rate, step = self.steps_per_s, self.step
+        if not rate or step is None or not self.total_steps:
+            return None
+        return max(0.0, (self.total_steps - step) / rate)
 
 
 class TrainingPane(Pane):
-    """Training progress and curves; for now only the empty state."""
+    """Training curves (textual-plotext) and figures, read from metrics.jsonl by a worker."""
 
     PANE_ID = "training"
     TITLE = "Training"
     DEFAULT_CSS = """
     TrainingPane #training-state { height: auto; }
+    TrainingPane #training-figures { height: auto; }
+    TrainingPane #training-plots { height: 1fr; min-height: 6; }
+    TrainingPane #training-plots PlotextPlot { width: 1fr; height: 1fr; display: none; }
+    TrainingPane #training-plots PlotextPlot.-shown { display: block; }
+    TrainingPane.-all-curves #training-plots PlotextPlot { display: block; }
     """
+
+    def __init__(self, drafter_dir: Path | str | None = None, poll_s: float = 1.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.drafter_dir = Path(drafter_dir) if drafter_dir else None
+        self.poll_s = poll_s
+        self.view = TrainingView()
+        self.tail = MetricsTail()
+        self.latest_ckpt: dict | None = None
+        self.best_ckpt: dict | None = None
+        self.job_id = ""
+        self.job_state = ""
+        self.job_note = ""
+        self.curve = "loss"
+        self._read_lock = threading.Lock()  # one read at a time: the offset must not be shared
 
     def compose(self) -> ComposeResult:
         yield Static(
-            "[b]no training run yet[/b]\n[$text-muted]Curves appear here once the train stage starts a run.[/]",
+            "[b]no training run yet[/b]\n[$text-muted]Curves appear here once training runs; "
+            "press [b]T[/b] to start (or resume) it.[/]",
             id="training-state",
         )
+        yield Static("", id="training-figures")
+        with Horizontal(id="training-plots"):
+            for name in CURVES:
+                yield PlotextPlot(id=f"plot-{name}", classes="-shown" if name == self.curve else "")
+
+    def on_mount(self) -> None:
+        self.query_one("#training-plots").display = False
+        self.app.theme_changed_signal.subscribe(self, lambda _theme: self._render_plots())
+        if self.drafter_dir is not None:
+            self._poll()
+            self.set_interval(self.poll_s, self._poll, name="training-metrics")
+
+    # -- reading (never on the UI thread)
+    def _poll(self) -> None:
+        self._read_metrics()
+
+    @work(thread=True, group="training-metrics", exit_on_error=False)
+    def _read_metrics(self) -> None:
+        if not self._read_lock.acquire(blocking=False):
+            return  # the previous read is still going (slow disk): skip this tick
+        try:
+            records, reset = read_new_metrics(self.drafter_dir / METRICS_FILE, self.tail)
+            root = self.drafter_dir / CKPT_DIR
+            latest, best = read_pointer(root / "latest.json"), read_pointer(root / "best.json")
+        finally:
+            self._read_lock.release()
+        if records or reset or latest != self.latest_ckpt or best != self.best_ckpt:
+            self.post_message(TrainingMetricsRead(records, reset, latest, best))
+
+    # -- messages
+    def on_training_metrics_read(self, message: TrainingMetricsRead) -> None:
+        if message.reset:
+            total = self.view.total_steps
+            self.view = TrainingView(total_steps=total)
+        for record in message.records:
+            self.view.add(record)
+        self.latest_ckpt, self.best_ckpt = message.latest, message.best
+        self._render_all()
+
+    def on_jobs_changed(self, message: JobsChanged) -> None:
+        newest = next((j for j in message.jobs if j.kind == "train"), None)
+        if newest is not None and (newest.id, newest.state) != (self.job_id, self.job_state):
+            self.job_id, self.job_state = newest.id, newest.state
+            self._render_state()
+
+    def on_job_events_arrived(self, message: JobEventsArrived) -> None:
+        if message.kind != "train":
+            return
+        for event in message.events:
+            kind = event.get("type")
+            if kind in ("started", "progress"):
+                total = event.get("total_steps", event.get("total"))
+                if isinstance(total, (int, float)) and total > 0:
+                    self.view.total_steps = int(total)
+            if kind == "error":
+                self.job_note = f"error: {event.get('message', '')}"
+            elif kind == "finished":
+                self.job_note = f"finished: exported to {event.get('export', '?')}"
+            elif kind == "stopped":
+                self.job_note = f"stopped at step {event.get('step', '?')}; T resumes from the checkpoint"
+            elif kind == "started":
+                self.job_note = ""
+        self._render_all()
+
+    def on_resize(self) -> None:
+        wide = (self.content_region.width or 0) >= ALL_CURVES_MIN_WIDTH
+        self.set_class(wide, "-all-curves")
+        self._render_plots()
+
+    # -- read by the app's actions and by tests
+    @property
+    def running_job_id(self) -> str | None:
+        return self.job_id if self.job_id and self.job_state in ACTIVE else None
+
+    def cycle_curve(self) -> None:
+        self.curve = CURVES[(CURVES.index(self.curve) + 1) % len(CURVES)]
+        for name in CURVES:
+            self.query_one(f"#plot-{name}").set_class(name == self.curve, "-shown")
+        self._render_plots()
+
+    def plot_data(self, name: str) -> dict[str, tuple[list[float], list[float]]]:
+        """The lines a curve shows: label -> (steps, values)."""
+        v = self.view
+        if name == "loss":
+            lines = {"train": v.loss, "eval": v.eval_loss}
+        elif name == "acc":
+            lines = {f"pos {p}": v.acc[p] for p in SHOWN_POSITIONS if p in v.acc}
+        else:
+            lines = {"train": v.sim_al, "eval": v.eval_sim_al}
+        return {label: s.thinned() for label, s in lines.items() if s.steps}
+
+    # -- rendering
+    def _render_all(self) -> None:
+        self._render_state()
+        self._render_plots()
+
+    def _render_state(self) -> None:
+        v = self.view
+        state = self.query_one("#training-state", Static)
+        has_data = v.step is not None
+        self.query_one("#training-plots").display = has_data
+        job = ""
+        if self.job_id:
+            colour = {"running": "$success", "starting": "$warning", "succeeded": "$success",
+                      "failed": "$error"}.get(self.job_state, "$text-muted")
+            job = f"[{colour}]● [b]{esc(self.job_state)}[/b][/] · job {esc(self.job_id)}"
+        if not has_data:
+            if job:
+                state.update(f"{job}\n[$text-muted]waiting for the first metrics line…[/]")
+            return
+        step = f"step [b]{v.step}[/b]" + (f"/{v.total_steps}" if v.total_steps else "")
+        rate = v.steps_per_s
+        lines = [" · ".join(p for p in (job, step, f"{fmt_num(rate)} step/s" if rate else "",
+                                         f"ETA {fmt_duration(v.eta_s)}" if v.eta_s is not None else "") if p)]
+        if self.job_note:
+            lines.append(f"[$text-muted]{esc(self.job_note)}[/]")
+        state.update("\n".join(lines))
+        self.query_one("#training-figures", Static).update("\n".join(self._figure_lines()))
+
+    def _figure_lines(self) -> list[str]:
+        v = self.view
+        tr, ev = v.last_train, v.last_eval
+        acc = tr.get("acc") if isinstance(tr.get("acc"), list) else []
+        acc_text = " ".join(f"{fmt_num(a)}" for a in acc[:7]) or "?"
+        loss = f"loss [b]{fmt_num(tr.get('loss'), 3)}[/b]" + (f" (eval {fmt_num(ev.get('loss'), 3)})" if ev else "")
+        al = f"sim AL [b]{fmt_num(tr.get('sim_al'))}[/b]" + (f" (eval {fmt_num(ev.get('sim_al'))})" if ev else "")
+        lines = [f"{loss} · {al}", f"acc/pos {acc_text}"]
+        lines.append(f"lr {_sci(tr.get('lr'))} · grad {fmt_num(tr.get('grad_norm'))} · "
+                     f"{fmt_count(_float(tr.get('tokens_per_s')))} tok/s")
+        best_al = self.best_ckpt.get("sim_al") if self.best_ckpt else v.best_al
+        best_step = self.best_ckpt.get("step") if self.best_ckpt else v.best_step
+        best = f"best AL [b][$success]{fmt_num(best_al)}[/][/b] @ step {best_step}" if best_al is not None else ""
+        ckpt = (f"checkpoint step {self.latest_ckpt.get('step', '?')}" if self.latest_ckpt
+                else "[$warning]no checkpoint yet[/]")
+        lines.append(" · ".join(p for p in (best, ckpt) if p))
+        return lines
+
+    def _render_plots(self) -> None:
+        if self.view.step is None:
+            return
+        palette = self._palette()
+        wide = self.has_class("-all-curves")
+        for name in CURVES:
+            widget = self.query_one(f"#plot-{name}", PlotextPlot)
+            if not wide and name != self.curve:
+                continue
+            plt = widget.plt
+            plt.clear_data()
+            plt.clear_figure()
+            title = CURVE_TITLES[name] + ("" if wide else "  (c: next curve)")
+            plt.title(title)
+            for i, (label, (xs, ys)) in enumerate(self.plot_data(name).items()):
+                plt.plot(xs, ys, label=label, color=palette[i % len(palette)], marker="braille")
+            widget.refresh()
+
+    def _palette(self) -> list[tuple[int, int, int]]:
+        """Line colours from the current theme, so light and dark themes both read well."""
+        colours = []
+        for name in ("primary", "accent", "success", "warning", "error", "secondary"):
+            value = self.app.theme_variables.get(name)
+            if value:
+                try:
+                    colours.append(Color.parse(value).rgb)
+                except Exception:  # a theme variable that is not a colour: skip it
+                    continue
+        return colours or [(128, 128, 128)]
+
+    @property
+    def best_acceptance_length(self) -> float | None:
+        if self.best_ckpt and _float(self.best_ckpt.get("sim_al")) is not None:
+            return float(self.best_ckpt["sim_al"])
+        return self.view.best_al
+
+
+def _sci(value) -> str:
+    number = _float(value)
+    return "?" if number is None else f"{number:.1e}"

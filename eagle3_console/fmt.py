@@ -1,0 +1,36 @@
+"""Number formats shared by the live panes: durations, counts, rates (plain text)."""
+
+from __future__ import annotations
+
+
+def fmt_duration(seconds: float | int | None) -> str:
+    """61 -> "1m01s", 3720 -> "1h02m", 200000 -> "2d07h"; None -> "?"."""
+    if seconds is None:
+        return "?"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def fmt_count(n: float | int | None) -> str:
+    """1234 -> "1.2k", 12_345_678 -> "12.3M"; None -> "?"."""
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}" if n == int(n) else f"{n:.1f}"
+
+
+def fmt_num(value, digits: int = 2) -> str:
+    """A float with `digits` decimals, or "?" when missing or not a number."""
+    try:
+        return f"{float(value):.{digits}f}"
+    except (TypeError, ValueError):
+        return "?"
