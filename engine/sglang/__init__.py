@@ -1,0 +1,1 @@
+"""SGLang backend: launch spec, capture hook, version profiles, NCCL all-reduce check."""

@@ -1,0 +1,170 @@
+"""Which SGLang releases the backend supports, and everything that differs between them.
+
+Every version-specific fact (flag spellings, where the capture hook attaches, how the aux
+layer ids are numbered, how a worker finds its rank) lives in the VersionProfile table
+below, so supporting a new release means adding one entry after reading its source.
+
+Facts were read from the PyPI wheels' source (0.5.9, 0.5.16, 0.5.20, 0.5.22, 0.5.23):
+- `--enable-return-aux-hidden-states` (capture aux states on a target without a draft)
+  exists only from 0.5.23. Older releases pass aux states to the logits processor only
+  when a real EAGLE-3 draft is loaded (`--speculative-algorithm EAGLE3` + draft path),
+  which turns every prefill into speculative traffic: unusable for capture. So 0.5.23 is
+  the only release our official-flags capture works on; older ones are refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib import metadata
+
+DISTRIBUTION = "sglang"
+
+
+@dataclass(frozen=True)
+class VersionProfile:
+    version: str
+    # Flags emitted on every launch, with the reason shown in LaunchSpec.notes.
+    base_flags: tuple[tuple[tuple[str, ...], str], ...]
+    # Flags emitted during capture, with the reason shown in LaunchSpec.notes.
+    capture_flags: tuple[tuple[tuple[str, ...], str], ...]
+    # Turns on SGLang's own EAGLE-3 aux capture without loading a draft.
+    aux_capture_flags: tuple[str, ...]
+    aux_layer_ids_flag: str
+    # fnmatch pattern over model.named_modules() for the module our hook attaches to.
+    hook_target: str
+    health_check_prefix: str
+    # Architectures whose set_eagle3_layers_to_capture adds 1 only when the first id == 1
+    # (PR #25454); every other architecture always adds 1.
+    conditional_shift_architectures: frozenset[str] = field(default_factory=frozenset)
+    # Dotted callables tried in order by the hook to find its rank among the writers.
+    rank_functions: tuple[str, ...] = ()
+    # Flags a user may not add through server.extra_args while capturing (they break it).
+    capture_forbidden: tuple[str, ...] = ()
+
+
+PROFILES: dict[str, VersionProfile] = {
+    profile.version: profile
+    for profile in (
+        VersionProfile(
+            version="0.5.23",
+            capture_flags=(
+                (("--disable-radix-cache",),
+                 "radix cache off: a cached prefix is never recomputed, so its hidden states would never be captured"),
+                (("--disable-prefill-cuda-graph",),
+                 "prefill CUDA graphs off: 0.5.23 runs prefill under breakable graphs by default, and Python forward "
+                 "hooks fire only on the eager forward"),
+                (("--enforce-disable-flashinfer-allreduce-fusion",),
+                 "FlashInfer all-reduce fusion forced off: fused layers hand on per-rank partial sums, so rank 0 "
+                 "would capture wrong values"),
+            ),
+            base_flags=(
+                (("--enable-metrics",), "metrics on: /metrics feeds the console's throughput and cache-hit gauges"),
+                (("--skip-server-warmup",), "warmup request skipped: nothing but real requests reaches the spool"),
+            ),
+            aux_capture_flags=("--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"),
+            aux_layer_ids_flag="--return-aux-hidden-state-layer-ids",
+            hook_target="*logits_processor",
+            health_check_prefix="HEALTH_CHECK",
+            conditional_shift_architectures=frozenset({
+                "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                "KimiK25ForConditionalGeneration", "Glm4MoeLiteForCausalLM",
+            }),
+            rank_functions=(
+                # With DP attention: rank inside this DP group's attention-TP group; else the TP group.
+                "sglang.srt.layers.dp_attention:get_dp_tp_group",
+                "sglang.srt.distributed.parallel_state:get_tp_group",
+            ),
+            capture_forbidden=(
+                "--enable-mixed-chunk", "--speculative-draft-model-path", "--speculative-num-steps",
+                "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--enable-flashinfer-allreduce-fusion",
+                "--flashinfer-allreduce-fusion-backend", "--cuda-graph-backend-prefill", "--cuda-graph-config",
+                "--pp-size", "--pipeline-parallel-size",
+            ),
+        ),
+    )
+}
+
+# Releases we read and rejected, with the reason shown to the user.
+UNSUPPORTED_REASONS: dict[str, str] = {
+    "0.5.22": "no --enable-return-aux-hidden-states (added in 0.5.23)",
+    "0.5.20": "no --enable-return-aux-hidden-states (added in 0.5.23)",
+    "0.5.16": "no --enable-return-aux-hidden-states (added in 0.5.23)",
+    "0.5.9": "no --enable-return-aux-hidden-states, no prefill-graph or all-reduce-fusion switches, "
+             "and no request ids on ForwardBatch",
+}
+OLDER_REASON = ("releases before 0.5.23 have no --enable-return-aux-hidden-states, so the logits processor only "
+                "receives aux hidden states with a speculative draft loaded, which breaks capture")
+
+
+class UnsupportedSglangError(RuntimeError):
+    """SGLang is missing or its version has no profile; the message says what to install."""
+
+
+def supported_versions() -> list[str]:
+    return sorted(PROFILES, key=_version_key)
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def _release(version: str) -> str:
+    """'0.5.23.post1' / '0.5.23rc0' / '0.5.23+cu129' -> '0.5.23'."""
+    match = re.match(r"^(\d+\.\d+\.\d+)", version.strip())
+    return match.group(1) if match else version.strip()
+
+
+def profile_for(version: str) -> VersionProfile:
+    """The profile for an installed version string; UnsupportedSglangError with the fix otherwise."""
+    release = _release(version)
+    profile = PROFILES.get(release)
+    if profile is not None:
+        return profile
+    wanted = ", ".join(supported_versions())
+    fix = f"install a supported release: pip install 'sglang=={supported_versions()[-1]}'"
+    if release in UNSUPPORTED_REASONS:
+        why = UNSUPPORTED_REASONS[release]
+    elif _version_key(release) < _version_key(supported_versions()[0]):
+        why = OLDER_REASON
+    else:
+        why = ("this release is newer than the ones whose capture patch points were verified; "
+               "its flags and hook points may have moved")
+    raise UnsupportedSglangError(f"SGLang {version} is not supported ({why}); supported: {wanted}. Fix: {fix}")
+
+
+def installed_version() -> str | None:
+    """The installed sglang distribution's version, or None when it is not installed."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def detect_profile(version: str | None = None) -> VersionProfile:
+    """Profile of the installed SGLang (or of `version`); UnsupportedSglangError when unusable."""
+    version = installed_version() if version is None else version
+    if version is None:
+        raise UnsupportedSglangError(
+            "SGLang is not installed in this Python environment "
+            f"(model.backend = \"sglang\"). Fix: pip install 'sglang=={supported_versions()[-1]}' "
+            "in the environment that runs eagle3-console, or set model.backend = \"local\"")
+    return profile_for(version)
+
+
+def aux_layer_flag_ids(profile: VersionProfile, ours: list[int], architecture: str) -> list[int]:
+    """Values for `--return-aux-hidden-state-layer-ids` that make SGLang capture our layers.
+
+    Our id i = output of decoder layer i = SGLang `layers_to_capture` i+1. Most models add
+    the 1 themselves, so they get our ids unchanged. The conditional-shift architectures add
+    1 only when the first id is 1, else take the ids as `layers_to_capture` directly.
+    """
+    if architecture not in profile.conditional_shift_architectures or not ours or ours[0] == 1:
+        return list(ours)
+    shifted = [layer + 1 for layer in ours]
+    if shifted[0] == 1:
+        raise ValueError(
+            f"{architecture} on SGLang {profile.version} cannot capture layer 0's output through "
+            "--return-aux-hidden-state-layer-ids (an id list starting at 1 is shifted again); "
+            "choose a first capture layer of 1 or more in model.capture_layers")
+    return shifted
