@@ -1,0 +1,169 @@
+"""Prefill throughput with hidden-state capture on vs off, on the same local server, one run.
+
+The server is started once with capture enabled; requests carrying a rid are captured
+(segments written to the spool), requests without one are not. Rounds alternate so both
+sides see the same machine state. Prints tokens/s for each side and the ratio on/off.
+
+    python bench/capture_overhead.py                 # CPU: tiny random Llama
+    python bench/capture_overhead.py --size 1b       # GPU: ~1B random Llama in bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SIZES = {
+    # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+    "tiny": (128, 6, 4, 2, 384, 2048),
+    "1b": (2048, 16, 16, 8, 5632, 32000),
+}
+
+
+def build_model(size: str, out: Path, dtype: str) -> Path:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    hidden, layers, heads, kv, inter, vocab = SIZES[size]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["capture overhead benchmark text"] * 10, trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
+                         torch_dtype=dtype, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    return out, params
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def run_round(client, spool: Path, capture: bool, n: int, length: int, vocab: int, concurrency: int,
+                    seed: int) -> float:
+    import random
+
+    from engine.capture.segments import release
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, ids: list[int]) -> int:
+        async with sem:
+            rid = f"bench-{seed}-{i}" if capture else None
+            result = await client.generate(input_ids=ids, max_new_tokens=0, rid=rid)
+            if capture:
+                await asyncio.to_thread(release, spool, rid)
+            return int(result.meta.get("prompt_tokens", len(ids)))
+
+    started = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    return tokens / (time.perf_counter() - started)
+
+
+async def bench(url: str, spool: Path, args, vocab: int) -> dict:
+    from engine.client import ServerClient
+
+    async with ServerClient(url, timeout=600) as client:
+        await run_round(client, spool, True, args.concurrency, args.length, vocab, args.concurrency, 999)  # warm-up
+        await run_round(client, spool, False, args.concurrency, args.length, vocab, args.concurrency, 998)
+        on, off = [], []
+        for r in range(args.rounds):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            for capture in order:
+                rate = await run_round(client, spool, capture, args.requests, args.length, vocab, args.concurrency, r)
+                (on if capture else off).append(rate)
+    return {"on": on, "off": off}
+
+
+def main() -> int:  # noqa: C901 - a linear script
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--length", type=int, default=None, help="prompt tokens per request")
+    parser.add_argument("--requests", type=int, default=None, help="requests per round")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    args = parser.parse_args()
+    import torch
+
+    from engine.capture.layers import default_capture_layers
+
+    gpu = torch.cuda.is_available()
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.length = args.length or (2048 if gpu else 256)
+    args.requests = args.requests or (32 if gpu else 16)
+    work = Path(tempfile.mkdtemp(prefix="capbench-"))
+    spool = Path(tempfile.mkdtemp(prefix="capbench-spool-", dir=args.spool))
+    try:
+        model_dir, params = build_model(args.size, work / "model", dtype)
+        if gpu:
+            torch.cuda.empty_cache()
+        hidden, layers, *_ , vocab = SIZES[args.size]
+        port = free_port()
+        log = open(work / "server.log", "w")
+        server = subprocess.Popen(
+            [sys.executable, "-m", "engine.localserver", "--model-path", str(model_dir), "--port", str(port),
+             "--device", "cuda" if gpu else "cpu", "--dtype", dtype, "--capture-layers",
+             ",".join(map(str, default_capture_layers(layers))), "--spool-dir", str(spool), "--max-batch", str(args.concurrency)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+        try:
+            url = f"http://127.0.0.1:{port}"
+            import httpx
+
+            deadline = time.time() + 300
+            while time.time() < deadline:
+                if server.poll() is not None:
+                    print((work / "server.log").read_text()[-2000:])
+                    return 1
+                try:
+                    if httpx.get(url + "/health_generate", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            result = asyncio.run(bench(url, spool, args, vocab))
+        finally:
+            server.terminate()
+            server.wait(30)
+        on, off = statistics.median(result["on"]), statistics.median(result["off"])
+        device = torch.cuda.get_device_name(0) if gpu else f"CPU ({os.cpu_count()} cores)"
+        summary = {"device": device, "model": f"random Llama {args.size} ({params / 1e6:.0f}M params, {dtype})",
+                   "prompt_tokens": args.length, "requests_per_round": args.requests, "concurrency": args.concurrency,
+                   "rounds": args.rounds, "capture_on_tok_s": round(on, 1), "capture_off_tok_s": round(off, 1),
+                   "ratio_on_off": round(on / off, 3), "all_on": [round(x) for x in result["on"]],
+                   "all_off": [round(x) for x in result["off"]]}
+        print(json.dumps(summary, indent=2))
+        print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}]")
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(spool, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
