@@ -1,0 +1,136 @@
+"""The SGLang capture hook, driven the way SGLang 0.5.23 drives it.
+
+SGLang's ForwardBatch needs CUDA/triton to import, so the batches here are minimal
+stand-ins with the same attribute names (forward_mode with an enum `.name`, rids,
+extend_seq_lens_cpu, extend_prefix_lens_cpu); test_sglang_launch.py checks those names
+against the real 0.5.23 source. The hook is registered with torch's real
+`register_forward_hook` on a module called positionally like SGLang's logits processor, and
+the segments it writes are assembled with the real engine.capture.segments.assemble.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine.capture.segments import SegmentError, assemble, list_segments
+from engine.sglang.hook import CaptureConfigError, CaptureHook, make_capture_hook, should_capture
+
+H = 8
+LAYERS = [1, 2, 3]
+
+
+class ForwardMode(enum.IntEnum):  # same member names as sglang's ForwardMode
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+    TARGET_VERIFY = 5
+
+
+@dataclass
+class Batch:
+    forward_mode: ForwardMode
+    rids: list[str]
+    extend_seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+
+
+class LogitsProcessor(torch.nn.Module):
+    def forward(self, input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states=None):
+        return hidden_states.sum()
+
+
+def full_states(rid_seed: int, length: int):
+    """Deterministic per-request ids, aux [L, 3H] and final [L, H] for positions 0..L-1."""
+    g = torch.Generator().manual_seed(rid_seed)
+    ids = torch.randint(0, 1000, (length,), generator=g)
+    aux = torch.randn(length, 3 * H, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    final = torch.randn(length, H, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    return ids, aux, final
+
+
+def run_batch(module, batch: Batch, chunks, aux_as_list: bool = False):
+    """chunks: per request (ids, aux, final) rows in the batch order."""
+    ids = torch.cat([c[0] for c in chunks])
+    aux = torch.cat([c[1] for c in chunks])
+    final = torch.cat([c[2] for c in chunks])
+    aux_arg = list(aux.split(H, dim=-1)) if aux_as_list else aux
+    module(ids, final, None, batch, aux_arg)
+
+
+@pytest.fixture()
+def hooked(tmp_path):
+    hook = CaptureHook(str(tmp_path / "spool"), LAYERS, rank_fn=lambda: 0)
+    module = LogitsProcessor()
+    module.register_forward_hook(hook)
+    yield hook, module, tmp_path / "spool"
+    hook.close()
+
+
+def test_batches_chunks_health_and_decode_assemble_exactly(hooked):
+    hook, module, spool = hooked
+    a, b, c = full_states(1, 10), full_states(2, 7), full_states(3, 12)
+    health = full_states(4, 1)
+    auto = full_states(5, 3)
+    # Batch 1: request a whole, request c's first chunk (0..4), a health check, an SGLang-generated rid.
+    run_batch(module, Batch(ForwardMode.EXTEND, ["xa", "xc", "HEALTH_CHECK_123", "0" * 32], [10, 5, 1, 3], [0, 0, 0, 0]),
+              [tuple(t[:10] for t in a), tuple(t[:5] for t in c), health, auto])
+    # Batch 2: c's middle chunk (prefix 5), b whole; aux as a list like the unpacked models pass it.
+    run_batch(module, Batch(ForwardMode.EXTEND, ["xc", "xb"], [4, 7], [5, 0]),
+              [tuple(t[5:9] for t in c), b], aux_as_list=True)
+    # A decode batch and a mixed batch: ignored.
+    run_batch(module, Batch(ForwardMode.DECODE, ["xa", "xb"], [1, 1], [10, 7]),
+              [tuple(t[:1] for t in a), tuple(t[:1] for t in b)])
+    run_batch(module, Batch(ForwardMode.MIXED, ["xd"], [2], [0]), [tuple(t[:2] for t in a)])
+    # Batch 3: c's last chunk (prefix 9).
+    run_batch(module, Batch(ForwardMode.EXTEND, ["xc"], [3], [9]), [tuple(t[9:] for t in c)])
+    assert hook.flush(10)
+    assert hook.errors == []
+
+    for rid, (ids, aux, final) in {"xa": a, "xb": b, "xc": c}.items():
+        cap = assemble(spool, rid, expected_len=len(ids), expected_input_ids=ids.tolist())
+        assert torch.equal(cap.aux_hidden_state, aux) and torch.equal(cap.hidden_state, final)
+        assert cap.layers == LAYERS
+    assert [s.start for s in list_segments(spool, "xc")] == [0, 5, 9]
+    assert sorted(p.name for p in spool.iterdir()) == ["xa", "xb", "xc"]  # no health/auto/decode/mixed rid
+
+
+def test_nonzero_rank_writes_nothing(tmp_path):
+    hook = CaptureHook(str(tmp_path / "spool"), LAYERS, rank_fn=lambda: 1)
+    module = LogitsProcessor()
+    module.register_forward_hook(hook)
+    run_batch(module, Batch(ForwardMode.EXTEND, ["xa"], [4], [0]), [full_states(1, 4)])
+    assert hook.flush(5)
+    hook.close()
+    assert not (tmp_path / "spool").exists()
+    with pytest.raises(SegmentError):
+        assemble(tmp_path / "spool", "xa")
+
+
+def test_unsafe_rids_are_skipped_not_written(hooked):
+    hook, module, spool = hooked
+    run_batch(module, Batch(ForwardMode.EXTEND, ["../evil", "ok-1"], [2, 2], [0, 0]),
+              [full_states(1, 2), full_states(2, 2)])
+    assert hook.flush(5)
+    assert sorted(p.name for p in spool.iterdir()) == ["ok-1"]
+    assert not should_capture("../evil") and not should_capture("HEALTH_CHECK_x") and should_capture("x1-abc-a0")
+
+
+def test_factory_reads_environment_and_refuses_without_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("EAGLE3_CAPTURE_SPOOL", raising=False)
+    monkeypatch.delenv("EAGLE3_CAPTURE_LAYERS", raising=False)
+    with pytest.raises(CaptureConfigError, match="EAGLE3_CAPTURE_SPOOL"):
+        make_capture_hook({})
+    monkeypatch.setenv("EAGLE3_CAPTURE_SPOOL", str(tmp_path / "s"))
+    monkeypatch.setenv("EAGLE3_CAPTURE_LAYERS", "1,2,3")
+    with pytest.raises(CaptureConfigError, match="differ"):
+        make_capture_hook({"layers": [0, 1, 2], "sglang": "0.5.23"})
+    hook = make_capture_hook({"layers": [1, 2, 3], "sglang": "0.5.23"})
+    try:
+        assert hook.spool_dir == str(tmp_path / "s") and hook.layers == [1, 2, 3]
+        assert hook._rank_fn() == 0  # no sglang, no torch.distributed: a single writer
+    finally:
+        hook.close()
