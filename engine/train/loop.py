@@ -16,7 +16,7 @@ import torch
 from engine import atomic
 from engine.train import checkpoint as ckpt
 from engine.train.data import RecordData, Teacher, TrainDataError
-from engine.train.loss import TTTModel, summarize
+from engine.train.loss import STAT_FIELDS, TTTModel, summarize
 from engine.train.model import DraftConfig, Eagle3Drafter
 from engine.train.vocab import build_vocab, draft_vocab_size, validate_vocab
 
@@ -240,7 +240,8 @@ class Trainer:
         order = self.data.epoch_order(self.cfg.seed, epoch)
         per_step = self.cfg.batch_size * self.world
         start = index * per_step + self.rank * self.cfg.batch_size
-        return order[start:start + self.cfg.batch_size]
+        # Wraps around when there are fewer records than one step needs (every rank gets a full batch).
+        return [order[(start + i) % len(order)] for i in range(self.cfg.batch_size)]
 
     def _forward(self, batch):
         batch = batch.to(self.device)
@@ -270,7 +271,7 @@ class Trainer:
             _, stats = self._forward(self.data.collate(entries[i:i + self.cfg.batch_size]))
             total = stats if total is None else total + stats
         if total is None:
-            total = torch.zeros(self.cfg.ttt_steps, 5, device=self.device)
+            total = torch.zeros(self.cfg.ttt_steps, len(STAT_FIELDS), device=self.device)
         total = self._all_reduce(total)
         return summarize(total)
 

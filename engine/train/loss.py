@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 from engine.train.data import Batch, TeacherOut
 from engine.train.model import Eagle3Drafter, shift_left
 
-STAT_FIELDS = ("loss_sum", "positions", "correct", "scored", "accept_sum")
+STAT_FIELDS = ("loss_sum", "positions", "correct", "scored", "accept_sum", "entropy_sum")
 
 
 def _chunk_stats(h, norm_w, eps, head_w, probs, target, pos_mask, acc_mask):
@@ -26,7 +26,8 @@ def _chunk_stats(h, norm_w, eps, head_w, probs, target, pos_mask, acc_mask):
     with torch.no_grad():
         correct = ((logits.argmax(-1) == target) & acc_mask).sum().float()
         accept = (torch.minimum(logp.exp(), q).sum(-1) * w).sum()
-    return loss, correct, accept
+        entropy = (-(q * torch.log(q.clamp(min=1e-30))).sum(-1) * w).sum()  # loss - entropy = KL(teacher||draft)
+    return loss, correct, accept, entropy
 
 
 class TTTModel(nn.Module):
@@ -40,7 +41,7 @@ class TTTModel(nn.Module):
         self.chunk_rows = chunk_rows
 
     def forward(self, batch: Batch, teacher: TeacherOut):
-        """Returns (weighted loss, stats [steps, 5] detached)."""
+        """Returns (weighted loss, stats [steps, len(STAT_FIELDS)] detached)."""
         d = self.drafter
         b, t = batch.input_ids.shape
         hidden = d.project(batch.aux.to(d.fc.weight.dtype) if not torch.is_autocast_enabled() else batch.aux)
@@ -51,7 +52,7 @@ class TTTModel(nn.Module):
             hidden = d.step(shift_left(batch.input_ids, k + 1), hidden, k, cache, self.backend)
             n = t - k - 1  # draft positions with a teacher position s = t+k+1 inside the record
             if n <= 0:
-                stats.append(torch.zeros(5, device=hidden.device))
+                stats.append(torch.zeros(len(STAT_FIELDS), device=hidden.device))
                 continue
             rows = hidden[:, :n].reshape(b * n, -1)
             probs = teacher.probs[:, k + 1:].reshape(b * n, -1)
@@ -61,32 +62,35 @@ class TTTModel(nn.Module):
             loss_sum = total.new_zeros(())
             correct = total.new_zeros(())
             accept = total.new_zeros(())
+            entropy = total.new_zeros(())
             for start in range(0, b * n, self.chunk_rows):
                 sl = slice(start, start + self.chunk_rows)
                 args = (rows[sl], d.norm.weight, d.norm.eps, d.lm_head.weight, probs[sl], target[sl], pos_mask[sl],
                         acc_mask[sl])
                 if rows.requires_grad:
                     # Recompute the [rows, draft_vocab] logits in backward instead of keeping 7 of them.
-                    l_, c_, a_ = checkpoint(_chunk_stats, *args, use_reentrant=False)
+                    l_, c_, a_, e_ = checkpoint(_chunk_stats, *args, use_reentrant=False)
                 else:
-                    l_, c_, a_ = _chunk_stats(*args)
-                loss_sum, correct, accept = loss_sum + l_, correct + c_, accept + a_
+                    l_, c_, a_, e_ = _chunk_stats(*args)
+                loss_sum, correct, accept, entropy = loss_sum + l_, correct + c_, accept + a_, entropy + e_
             positions = pos_mask.sum().float()
             total = total + (0.8 ** k) * loss_sum / positions.clamp(min=1)
-            stats.append(torch.stack([loss_sum.detach(), positions, correct, acc_mask.sum().float(), accept]))
+            stats.append(torch.stack([loss_sum.detach(), positions, correct, acc_mask.sum().float(), accept,
+                                      entropy]))
         return total, torch.stack(stats)
 
 
 def summarize(stats: torch.Tensor) -> dict:
-    """Accumulated stats [steps, 5] -> per-step loss/acc/accept and the simulated acceptance length."""
+    """Accumulated stats [steps, fields] -> per-step loss/KL/acc/accept and the simulated acceptance length."""
     s = stats.double().cpu()
     loss = (s[:, 0] / s[:, 1].clamp(min=1)).tolist()
     acc = (s[:, 2] / s[:, 3].clamp(min=1)).tolist()
     accept = (s[:, 4] / s[:, 1].clamp(min=1)).tolist()
+    kl = ((s[:, 0] - s[:, 5]) / s[:, 1].clamp(min=1)).tolist()
     sim, run = 1.0, 1.0
     for a in acc:
         run *= a
         sim += run
     weighted = sum((0.8 ** k) * v for k, v in enumerate(loss))
-    return {"loss": weighted, "loss_pos": loss, "acc": acc, "accept": accept, "sim_al": sim,
+    return {"loss": weighted, "loss_pos": loss, "kl_pos": kl, "acc": acc, "accept": accept, "sim_al": sim,
             "positions": int(s[0, 3])}

@@ -1,0 +1,260 @@
+"""EAGLE-3 drafter training on CPU with a real tiny Llama target.
+
+Records are generated in-process from the target (hidden_states of layers [1, L//2-1, L-4] as
+aux, the post-norm last_hidden_state as the final state) over sequences of a deterministic
+language, so the drafter has something learnable, and written with engine.records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import records
+from engine.capture.layers import to_sglang_numbering
+from engine.workspace import Workspace, init_workspace
+
+def _language(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
+    """Deterministic language over 40 tokens: next = perm[prev], with a fresh random start."""
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randperm(vocab - 10, generator=gen)[:40] + 5
+    perm = torch.randperm(40, generator=gen)
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        i = int(torch.randint(0, 40, (1,), generator=rng))
+        seq = []
+        for _ in range(length):
+            seq.append(int(tokens[i]))
+            i = int(perm[i])
+        out.append(seq)
+    return out
+
+
+def make_records(model_dir: Path, run_dir: Path, n: int = 24, length: int = 40, seed: int = 0) -> dict:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    num_layers = model.config.num_hidden_layers
+    layers = [1, num_layers // 2 - 1, num_layers - 4]
+    layers = sorted(set(layers)) if len(set(layers)) == 3 else [0, 1, 2]
+    vocab = model.config.vocab_size
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    with torch.no_grad():
+        for index, seq in enumerate(_language(seed, n, length, vocab)):
+            ids = torch.tensor([seq])
+            out = model.model(input_ids=ids, output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)
+            final = out.last_hidden_state[0]
+            mask = torch.ones(length, dtype=torch.int64)
+            mask[:4] = 0  # a short "prompt"
+            entry = records.write_record(run_dir, index, f"s{index:04d}", ids[0], mask, aux, final)
+            records.append_manifest(run_dir, entry)
+            counts += torch.bincount(ids[0][mask.bool()], minlength=vocab)
+    records.write_run_meta(run_dir, {"model": str(model_dir), "hidden_size": model.config.hidden_size,
+                                     "layers": layers, "layers_sglang": to_sglang_numbering(layers),
+                                     "num_samples": n, "dtype": "bfloat16"})
+    records.save_token_counts(run_dir, counts)
+    return {"layers": layers, "model": model}
+
+
+def make_workspace(root: Path, model_dir: Path, hidden_run: Path, **train) -> Workspace:
+    ws = init_workspace(root)
+    config = ws.config
+    config.model.path = str(model_dir)
+    config.extract.output_dir = str(hidden_run.parent)
+    config.extract.run = hidden_run.name
+    config.train.draft_vocab_size = 256
+    config.train.learning_rate = 1e-2
+    config.train.warmup_ratio = 0.05
+    config.train.max_len = 40
+    config.train.batch_size = 2
+    config.train.ttt_steps = 3
+    config.train.log_every = 5
+    config.train.save_every = 10
+    config.train.eval_fraction = 0.15
+    config.train.epochs = 4
+    for key, value in train.items():
+        setattr(config.train, key, value)
+    ws.save_config(config)
+    return Workspace(root)
+
+
+@pytest.fixture(scope="module")
+def hidden_run(tiny_model_dir, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("hidden") / "run1"
+    make_records(tiny_model_dir, run_dir)
+    return run_dir
+
+
+def read_metrics(ws: Workspace, kind: str = "train") -> list[dict]:
+    path = ws.drafter_dir / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == kind]
+
+
+def test_loss_falls_accuracy_rises_and_export_reproduces(hidden_run, tiny_model_dir, tmp_path):
+    from engine.train.export import check_export, load_export
+    from engine.train.loop import Trainer
+
+    ws = make_workspace(tmp_path / "ws", tiny_model_dir, hidden_run)
+    trainer = Trainer(ws)
+    assert trainer.run() == 0
+    rows = read_metrics(ws)
+    first, last = rows[0], rows[-1]
+    assert trainer.step == trainer.total_steps == 4 * (len(trainer.data.train_entries) // 2)
+    # The random target's distributions are broad, so the loss floor is the teacher entropy: the
+    # learnable part is the KL (loss - entropy), which must fall clearly.
+    assert last["loss"] < first["loss"] - 0.3, (first["loss"], last["loss"])
+    assert last["kl_pos"][0] < 0.6 * first["kl_pos"][0], (first["kl_pos"], last["kl_pos"])
+    assert last["acc"][0] > first["acc"][0] + 0.15, (first["acc"], last["acc"])
+    for key in ("loss_pos", "acc", "accept", "sim_al", "lr", "grad_norm", "tokens_per_s", "epoch"):
+        assert key in last
+    assert len(last["acc"]) == 3 and 1.0 <= last["sim_al"] <= 4.0
+    assert all(0.0 <= a <= 1.0 for a in last["accept"])
+    evals = read_metrics(ws, "eval")
+    assert evals and evals[-1]["step"] == trainer.step
+
+    export = ws.drafter_dir / "export"
+    assert check_export(export) == []
+    cfg = json.loads((export / "config.json").read_text())
+    run_layers = json.loads((hidden_run / "run.json").read_text())["layers"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [x + 1 for x in run_layers]
+    # The stage turns green with the evidence the console shows.
+    from engine.checks.base import Status
+    from engine.checks.context import CheckContext
+    from engine.checks.train import check_train
+
+    results = check_train(CheckContext(ws))
+    assert [r.status for r in results] == [Status.PASS], results
+    assert f"{trainer.step} steps" in results[0].evidence and "best simulated acceptance length" in results[0].evidence
+
+    # The export is the best checkpoint; it reproduces that checkpoint's logits (bf16 rounding).
+    from engine.train import checkpoint as ckpt
+    from engine.train.model import Eagle3Drafter
+
+    best = ckpt.best(ws.drafter_dir)
+    state = ckpt.load(ws.drafter_dir, best["path"])
+    embed = trainer.model.embed_tokens.weight.detach().cpu()
+    reference = Eagle3Drafter(trainer.model.cfg)
+    reference.load_state_dict({**state["model"], "embed_tokens.weight": embed})
+    reloaded = load_export(export, embed_tokens=embed)
+    batch = trainer.data.collate(trainer.data.train_entries[:2])
+    ref = reference.draft_logits(batch.input_ids, batch.aux.float(), steps=2)
+    got = reloaded.draft_logits(batch.input_ids, batch.aux.float(), steps=2)
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=0.1, rtol=0.05), (a - b).abs().max()
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+    # d2t maps draft ids back to the right target tokens.
+    d2t, t2d = reloaded.d2t, reloaded.t2d
+    hot = d2t + torch.arange(d2t.shape[0])
+    assert torch.equal(hot, torch.nonzero(t2d).flatten())
+    counts = records.load_token_counts(hidden_run)
+    assert bool(t2d[counts > 0].all())  # every token the language uses is in the draft vocabulary
+    # Retention: last two periodic checkpoints and the best remain.
+    kept = sorted(p.name for p in (ws.drafter_dir / "checkpoints").glob("step-*"))
+    assert len(kept) <= 3 and best["path"] in kept
+
+
+def test_resume_equals_uninterrupted(hidden_run, tiny_model_dir, tmp_path):
+    from engine.train.loop import Trainer
+
+    straight = make_workspace(tmp_path / "a", tiny_model_dir, hidden_run, epochs=2, save_every=100, log_every=4)
+    t_full = Trainer(straight, max_steps=8)
+    t_full.run()
+    split = make_workspace(tmp_path / "b", tiny_model_dir, hidden_run, epochs=2, save_every=100, log_every=4)
+    Trainer(split, max_steps=4).run()
+    t_resumed = Trainer(split, resume=True, max_steps=4)
+    t_resumed.run()
+    assert t_resumed.step == t_full.step == 8
+    for (name, a), b in zip(t_full.model.state_dict().items(), t_resumed.model.state_dict().values()):
+        assert torch.allclose(a.float(), b.float(), atol=1e-5), name
+    assert t_full.optim.state_dict()["state"][0]["step"] == t_resumed.optim.state_dict()["state"][0]["step"]
+    a_rows, b_rows = read_metrics(straight), read_metrics(split)
+    assert [r["step"] for r in a_rows] == [r["step"] for r in b_rows]
+    assert abs(a_rows[-1]["loss"] - b_rows[-1]["loss"]) < 1e-4
+
+
+def test_bad_inputs_fail_clearly(hidden_run, tiny_model_dir, tmp_path):
+    import shutil
+
+    from engine.train.loop import Trainer, TrainError
+
+    empty = tmp_path / "hidden" / "empty"
+    empty.mkdir(parents=True)
+    records.write_run_meta(empty, {"hidden_size": 64, "layers": [0, 1, 2]})
+    ws = make_workspace(tmp_path / "w1", tiny_model_dir, empty)
+    with pytest.raises(TrainError, match="no records.*run the extraction"):
+        Trainer(ws).setup()
+
+    other = tmp_path / "hidden" / "otherh"
+    shutil.copytree(hidden_run, other)
+    meta = json.loads((other / "run.json").read_text())
+    records.write_run_meta(other, {**meta, "hidden_size": 128})
+    ws = make_workspace(tmp_path / "w2", tiny_model_dir, other)
+    with pytest.raises(TrainError, match="hidden size 128 but the target model has 64"):
+        Trainer(ws).setup()
+
+    no_head = tmp_path / "nohead"
+    no_head.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", no_head / "config.json")
+    ws = make_workspace(tmp_path / "w3", no_head, hidden_run)
+    with pytest.raises(TrainError, match="LM head"):
+        Trainer(ws).setup()
+
+    # The job entry turns them into one line and exit code 2, not a traceback.
+    proc = subprocess.run([sys.executable, "-m", "engine.train", "--workspace", str(tmp_path / "w3")],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 2 and "training: error:" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_job_sigterm_checkpoints_and_resumes(hidden_run, tiny_model_dir, tmp_path):
+    from engine.jobs import JobManager
+    from engine.train import checkpoint as ckpt
+    from engine.train.launch import build_train_argv
+
+    ws = make_workspace(tmp_path / "ws", tiny_model_dir, hidden_run, epochs=400, save_every=100000, log_every=1)
+    argv = build_train_argv(ws)
+    assert argv[1:3] == ["-m", "engine.train"] and "--resume" not in argv
+    jobs = JobManager(ws.jobs_dir)
+    job = jobs.start("train", argv, cwd=ws.root)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        events, _ = jobs.events(job.id)
+        if any(e["type"] == "progress" and e["done"] >= 3 for e in events):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"no progress: {jobs.tail(job.id)}")
+    info = jobs.stop_sync(job.id, grace=30)
+    assert info.state in ("stopped", "succeeded"), info
+    events, _ = jobs.events(job.id)
+    assert any(e["type"] == "stopped" for e in events), events[-3:]
+    latest = ckpt.latest(ws.drafter_dir)
+    assert latest and latest["step"] >= 3
+    argv = build_train_argv(ws)
+    assert "--resume" in argv
+    proc = subprocess.run(argv + ["--max-steps", "2"], capture_output=True, text=True, timeout=60, cwd=ws.root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert '"resumed"' in proc.stdout
+    assert ckpt.latest(ws.drafter_dir)["step"] == latest["step"] + 2
+
+
+def test_build_train_argv_uses_torchrun_for_several_gpus(tmp_path):
+    from engine.train.launch import build_train_argv
+
+    ws = init_workspace(tmp_path / "ws")
+    config = ws.config
+    config.train.num_gpus = 4
+    ws.save_config(config)
+    argv = build_train_argv(Workspace(tmp_path / "ws"))
+    assert Path(argv[0]).name == "torchrun"
+    assert argv[1:4] == ["--standalone", "--nproc-per-node", "4"]
+    assert argv[4:6] == ["-m", "engine.train"]
