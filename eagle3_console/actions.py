@@ -28,13 +28,13 @@ ACTION_PANES = {
 }
 
 PANE_BINDINGS = [
-    Binding("s", "start_server", "Start server", tooltip="Start the server (capture on)", id="server-start"),
-    Binding("S", "stop_server", "Stop server", tooltip="Stop the server (asks first)", id="server-stop"),
+    Binding("s", "start_server", "Start", tooltip="Start the server (capture on)", id="server-start"),
+    Binding("S", "stop_server", "Stop", tooltip="Stop the server (asks first)", id="server-stop"),
     Binding("x", "start_extraction", "Extract", tooltip="Start or resume hidden-state extraction", id="extract-start"),
-    Binding("p", "toggle_pause", "Pause/resume", tooltip="Pause or resume extraction", id="extract-pause"),
+    Binding("p", "toggle_pause", "Pause", tooltip="Pause or resume extraction", id="extract-pause"),
     Binding("X", "stop_extraction", "Stop", tooltip="Stop extraction (asks first)", id="extract-stop"),
     Binding("T", "start_training", "Train", tooltip="Start training, or resume from its checkpoint", id="train-start"),
-    Binding("K", "stop_training", "Stop train", tooltip="Stop training; it checkpoints first (asks)", id="train-stop"),
+    Binding("K", "stop_training", "Stop", tooltip="Stop training; it checkpoints first (asks)", id="train-stop"),
     Binding("c", "next_curve", "Curve", tooltip="Show the next training curve", id="train-curve"),
 ]
 

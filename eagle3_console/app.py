@@ -114,7 +114,7 @@ class ConsoleApp(JobActions, App[int]):
             yield PipelinePane(stages(), engine.reports())
             yield ExtractionPane()
             yield TrainingPane(drafter_dir=self.workspace.drafter_dir, poll_s=engine.config.ui.refresh_s)
-        yield Footer()
+        yield Footer(compact=True)  # room for the active pane's keys at 80 columns
 
     async def on_mount(self) -> None:
         self._apply_layout(self.size.width)
