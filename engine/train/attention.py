@@ -112,7 +112,12 @@ def _block_mask(t: int, steps: int, device: str):
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    import torch._dynamo
+
+    # Record lengths vary: let dynamo switch to a dynamic-shape kernel after the first recompile
+    # instead of hitting the recompile limit and falling back to the unfused (quadratic) path.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def _flex(q, keys, values):
