@@ -14,7 +14,7 @@ from typing import Iterable
 
 from textual.app import SystemCommand
 from textual.binding import Binding
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 
 from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.messages import ServerActionFailed
@@ -55,7 +55,8 @@ class JobActions:
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         pane = ACTION_PANES.get(action)
-        if pane is not None and not isinstance(self.screen, ConfirmScreen) and self.active_pane() != pane:
+        # Never behind a modal (no `s` while a stop question is open), else only on its own pane.
+        if pane is not None and (isinstance(self.screen, ModalScreen) or self.active_pane() != pane):
             return False
         return super().check_action(action, parameters)
 

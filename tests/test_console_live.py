@@ -168,6 +168,10 @@ async def test_server_pane_shows_status_and_stop_asks_first(ws):
         await pilot.pause()
         text = screen_text(app)
         assert "Running jobs use this server: extract" in text and sleeper.id in text
+        assert "s Start" not in screen_lines(app)[-1]  # no pane keys behind the question
+        await pilot.press("s")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen) and not notifications(app)
         app.save_screenshot("/tmp/live_server_confirm_80x24.svg")
         await pilot.press("escape")
         await pilot.pause()
