@@ -1,0 +1,5 @@
+import sys
+
+from engine.evaluate.job import main
+
+sys.exit(main())

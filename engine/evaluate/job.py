@@ -1,0 +1,164 @@
+"""The evaluation job (runs detached): `python -m engine.evaluate --workspace DIR [--limit N]`.
+
+Loads the held-out prompts and the current drafter export, measures speculative decoding against
+no speculation (local backend: in this process; sglang backend: two SGLang servers), and writes
+`<eval_dir>/report.json` atomically with the export's identity. The final event (`finished`)
+carries the rendered table, which `eagle3-console run evaluate` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from engine.evaluate.report import EXPORT_DIR, build_report, export_identity, render_table, write_report
+
+
+class JobError(Exception):
+    """Evaluation cannot run; the message names the cause and the fix."""
+
+
+class Evaluation:
+    def __init__(self, workspace, ctx=None, limit: int | None = None):
+        self.ws = workspace
+        self.cfg = workspace.config
+        self.ctx = ctx
+        self.limit = limit
+
+    def event(self, kind: str, **data) -> None:
+        if self.ctx is not None:
+            self.ctx.event(kind, **data)
+        else:
+            print(json.dumps({"type": kind, **data}, default=str), flush=True)
+
+    def should_stop(self) -> bool:
+        return bool(self.ctx is not None and self.ctx.stop_requested)
+
+    @property
+    def export_dir(self) -> Path:
+        return self.ws.drafter_dir / EXPORT_DIR
+
+    def _check_export(self) -> dict:
+        from engine.train.export import check_export
+
+        problems = check_export(self.export_dir)
+        if problems:
+            raise JobError(f"drafter export {self.export_dir} is not usable: {problems[0]}; run the train stage "
+                           "(`eagle3-console run train`)")
+        return export_identity(self.export_dir)
+
+    def run(self) -> int:
+        from engine.dataset.tokenize import load_tokenizer
+        from engine.evaluate.prompts import load_prompts
+
+        ev = self.cfg.evaluate
+        identity = self._check_export()  # hashed before the run: a re-export during it is not credited
+        tokenizer = load_tokenizer(self.ws.model_dir)
+        prompts, skipped = load_prompts(self.ws, tokenizer, self.limit, ev.max_new_tokens)
+        backend = self.cfg.model.backend
+        self.event("started", backend=backend, prompts=len(prompts), skipped=skipped, export=identity["path"],
+                   sha256=identity["sha256"])
+        settings = {"spec_steps": ev.spec_steps, "spec_topk": ev.spec_topk, "spec_draft_tokens": ev.spec_draft_tokens,
+                    "max_new_tokens": ev.max_new_tokens, "num_prompts": len(prompts), "skipped_prompts": skipped,
+                    "eval_path": self.cfg.dataset.eval_path}
+        started = time.monotonic()
+        if backend == "sglang":
+            results, notes, target = self._run_sglang(prompts)
+        else:
+            results, notes, target = self._run_local(prompts, tokenizer)
+        if not results:
+            self.event("stopped", done=0)
+            return 0
+        if len(results) < len(prompts):
+            notes.append(f"stopped early: {len(results)} of {len(prompts)} prompts measured")
+        if skipped:
+            notes.append(f"{skipped} held-out sample(s) skipped (empty or too long)")
+        report = build_report(backend=backend, drafter=identity, target=target, settings=settings, prompts=results,
+                              notes=notes)
+        report["seconds"] = time.monotonic() - started
+        path = write_report(self.ws.eval_dir, report)
+        o = report["overall"]
+        self.event("finished", report=str(path), acceptance_length=o["acceptance_length"], speedup=o["speedup"],
+                   greedy_matches=o["greedy_matches"], prompts=o["prompts"], table=render_table(report))
+        return 0
+
+    def _progress(self, total: int):
+        state = {"tokens": 0, "verify": 0, "spec_s": 0.0, "base_s": 0.0}
+
+        def report(done: int, result) -> None:
+            state["tokens"] += result.completion_tokens
+            state["verify"] += result.verify_steps
+            state["spec_s"] += result.spec_seconds
+            state["base_s"] += result.base_seconds
+            al = state["tokens"] / state["verify"] if state["verify"] else None
+            tps = state["tokens"] / state["spec_s"] if state["spec_s"] else None
+            speedup = state["base_s"] / state["spec_s"] if state["spec_s"] else None
+            self.event("progress", done=done, total=total, acceptance_length=_round(al),
+                       tokens_per_s=_round(tps, 1), speedup=_round(speedup))
+
+        return report
+
+    def _run_local(self, prompts, tokenizer):
+        from engine.evaluate.local_eval import evaluate_local, load_local
+
+        ev = self.cfg.evaluate
+        setup = load_local(self.ws, self.export_dir, tokenizer)
+        notes = list(setup.notes)
+        if ev.spec_topk != 1:
+            notes.append(f"local backend drafts a chain (top-k 1); evaluate.spec_topk {ev.spec_topk} needs the "
+                         "sglang backend")
+        notes.append(f"local backend: {ev.spec_steps} draft tokens per verify step, KV caches on target and "
+                     f"drafter, {setup.device} {setup.dtype}")
+        self.event("loaded", device=setup.device, dtype=setup.dtype, aux_layers_sglang=setup.aux_layers)
+        results = evaluate_local(setup, prompts, ev.max_new_tokens, ev.spec_steps, self._progress(len(prompts)),
+                                 self.should_stop)
+        target = {"path": str(self.ws.model_dir), "device": setup.device, "dtype": setup.dtype}
+        return results, notes, target
+
+    def _run_sglang(self, prompts):
+        import asyncio
+
+        from engine.evaluate.sglang_eval import evaluate_sglang
+
+        results, notes = asyncio.run(evaluate_sglang(
+            self.ws, self.export_dir, prompts, lambda phase: self.event("phase", name=phase), self.should_stop))
+        progress = self._progress(len(prompts))
+        for i, result in enumerate(results):
+            progress(i + 1, result)
+        return results, notes, {"path": str(self.ws.model_dir), "server": "sglang"}
+
+
+def _round(value, digits: int = 3):
+    return None if value is None else round(value, digits)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from engine.config import ConfigError
+    from engine.dataset.tokenize import TokenizerError
+    from engine.evaluate.local_eval import EvalError
+    from engine.evaluate.prompts import PromptError
+    from engine.evaluate.sglang_eval import SglangEvalError
+    from engine.evaluate.specdec import SpecDecodeError
+    from engine.jobctx import JobContext
+    from engine.workspace import Workspace
+
+    parser = argparse.ArgumentParser(prog="python -m engine.evaluate")
+    parser.add_argument("--workspace", required=True)
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N held-out prompts")
+    args = parser.parse_args(argv)
+    try:
+        ctx = JobContext.from_env()
+        ctx.install_sigterm_handler()
+    except Exception:
+        ctx = None  # run by hand: events go to stdout
+    try:
+        return Evaluation(Workspace(args.workspace), ctx, args.limit).run()
+    except (ConfigError, TokenizerError, PromptError, EvalError, SglangEvalError, SpecDecodeError, JobError,
+            OSError) as exc:
+        if ctx is not None:
+            ctx.event("error", message=str(exc))
+        print(f"evaluation: error: {exc}", flush=True)
+        return 2
