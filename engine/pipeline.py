@@ -49,7 +49,7 @@ def _stages() -> list[Stage]:
         Stage("extract", "Extraction", "manifest covers every sample and verifies", check_extract,
               has_job=True),
         Stage("train", "Training", "export loads with SGLang's expected weights", __import__("engine.checks.train", fromlist=["check_train"]).check_train, has_job=True),
-        Stage("evaluate", "Evaluation", "acceptance length and speedup measured", None, has_job=True),
+        Stage("evaluate", "Evaluation", "acceptance length and speedup measured", __import__("engine.checks.evaluate", fromlist=["check_evaluate"]).check_evaluate, has_job=True),
     ]
 
 
