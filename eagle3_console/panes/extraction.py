@@ -245,7 +245,7 @@ class ExtractionPane(Pane):
         if message.kind != "extract":
             return
         if message.job_id != self.view.job_id:
-            self.view = ExtractionView(job_id=message.job_id, job_state=self.view.job_state)
+            self.view = ExtractionView(job_id=message.job_id)  # its state comes with the next job list
         for event in message.events:
             self.view.apply(event)
             if self.pause_requested is not None and self.user_paused == self.pause_requested:
