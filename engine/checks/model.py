@@ -64,6 +64,10 @@ def check_model(ctx: CheckContext) -> list[CheckResult]:
 
     results.append(_layers_check(cfg.model.capture_layers, layers))
     results.append(_tokenizer_check(model_dir))
+    if ctx.config.model.backend == "sglang":
+        from engine.checks.sglang import check_sglang_model
+
+        results += check_sglang_model(ctx)
     return results
 
 

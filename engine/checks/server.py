@@ -43,7 +43,12 @@ async def check_server(ctx: CheckContext) -> list[CheckResult]:
             return results + [failed("health", f"/health_generate failed: {exc}", "see `eagle3-console server logs`")]
         results.append(passed("health", f"/health_generate OK in {1000 * (time.perf_counter() - started):.0f} ms"))
         info = await client.server_info()
-        results.append(_flags_check(info, ctx))
+        if ctx.config.model.backend == "sglang":
+            from engine.checks.sglang import check_sglang_server_info
+
+            results += check_sglang_server_info(info, ctx)
+        else:
+            results.append(_flags_check(info, ctx))
         ids = await asyncio.to_thread(probe_prompt_ids, ctx.workspace)
         bench = await decode_benchmark(client, ids, max_new_tokens=32)
         if bench.tokens < 2:

@@ -1,0 +1,355 @@
+"""SGLang launch spec, version policy, preflight pieces, and our argv against SGLang 0.5.23 itself.
+
+Real SGLang: the 0.5.23 wheel is downloaded once (pip, cached in pytest's cache dir or
+$EAGLE3_SGLANG_CACHE) and
+  - its argument definitions are read with `ast` (arg_groups/fields/*.py) to check every
+    flag we emit, and the ForwardBatch/hook-manager names the hook relies on;
+  - `ServerArgs.add_cli_args(parser); parser.parse_args(argv)` runs in a subprocess against
+    the wheel installed with --no-deps into the cache plus the small pure-Python packages
+    its import chain needs. `triton` has no CPU build, so a stand-in module is placed in
+    sys.modules first (SGLang imports it unconditionally; the parser never uses it).
+Without network the SGLang-source tests skip with the reason. No GPU here: the compute
+capability is passed in rather than read from NVML.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from engine.checks.context import CheckContext
+from engine.config import ConfigError, set_value
+from engine.sglang.launch import HOOK_FACTORY, build_sglang_spec
+from engine.sglang.versions import UnsupportedSglangError, aux_layer_flag_ids, detect_profile, profile_for
+from engine.workspace import init_workspace
+
+VERSION = "0.5.23"
+PARSER_DEPS = ["orjson", "pybase64", "requests", "pillow", "msgspec", "pyzmq", "ipython", "aiohttp"]
+TRITON_STUB = '''
+import sys, types
+class _Any:
+    def __init__(self, *a, **k): pass
+    def __call__(self, *a, **k):
+        return a[0] if len(a) == 1 and callable(a[0]) and not k else _Any()
+    def __getattr__(self, name):
+        if name.startswith("__"): raise AttributeError(name)
+        return _Any()
+    def __getitem__(self, key): return _Any()
+    def __iter__(self): return iter(())
+    def __bool__(self): return False
+class _Stub(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"): raise AttributeError(name)
+        return _Any()
+for name in ["triton", "triton.language", "triton.runtime", "triton.runtime.jit", "triton.language.extra",
+             "triton.language.extra.libdevice", "triton.testing", "triton.tools", "triton.backends", "triton.compiler"]:
+    module = _Stub(name); module.__path__ = []; module.__version__ = "3.0.0"; sys.modules[name] = module
+'''
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def _pip(*args: str, timeout: float = 600) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True,
+                   timeout=timeout, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def sglang_cache(request) -> Path:
+    explicit = os.environ.get("EAGLE3_SGLANG_CACHE")
+    return Path(explicit) if explicit else Path(request.config.cache.mkdir(f"sglang-{VERSION}"))
+
+
+@pytest.fixture(scope="session")
+def sglang_wheel(sglang_cache) -> Path:
+    wheels = sorted(sglang_cache.glob(f"sglang-{VERSION}-*.whl"))
+    if not wheels:
+        try:
+            _pip("download", "--no-deps", f"sglang=={VERSION}", "-d", str(sglang_cache), timeout=300)
+        except (subprocess.SubprocessError, OSError) as exc:
+            pytest.skip(f"cannot download the sglang {VERSION} wheel (no network to PyPI?): {exc}")
+        wheels = sorted(sglang_cache.glob(f"sglang-{VERSION}-*.whl"))
+    if not wheels:
+        pytest.skip(f"pip download produced no sglang {VERSION} wheel")
+    return wheels[0]
+
+
+@pytest.fixture(scope="session")
+def sglang_src(sglang_wheel, sglang_cache) -> Path:
+    src = sglang_cache / "src"
+    marker = src / ".complete"
+    if not marker.exists():
+        with zipfile.ZipFile(sglang_wheel) as wheel:
+            for name in wheel.namelist():
+                if name.startswith(("sglang/srt/arg_groups/", "sglang/srt/model_executor/", "sglang/srt/constants.py")):
+                    wheel.extract(name, src)
+        marker.write_text("ok")
+    return src / "sglang" / "srt"
+
+
+@pytest.fixture(scope="session")
+def sglang_importable(sglang_wheel, sglang_cache) -> list[str]:
+    pkg, deps = sglang_cache / "pkg", sglang_cache / "deps"
+    marker = sglang_cache / ".installed"
+    if not marker.exists():
+        try:
+            _pip("install", "--no-deps", "--target", str(pkg), str(sglang_wheel))
+            _pip("install", "--target", str(deps), *PARSER_DEPS)
+        except (subprocess.SubprocessError, OSError) as exc:
+            pytest.skip(f"cannot install sglang's parser dependencies into {sglang_cache}: {exc}")
+        marker.write_text("ok")
+    return [str(pkg), str(deps)]
+
+
+@pytest.fixture()
+def ws(tmp_path, tiny_model_dir):
+    workspace = init_workspace(tmp_path / "ws")
+    config = workspace.config
+    for key, value in {"model.path": str(tiny_model_dir), "model.backend": "sglang", "model.tp_size": 2,
+                       "extract.spool_dir": str(tmp_path / "spool"), "gpu.nccl_preset": "p2p-off"}.items():
+        config = set_value(config, key, value)
+    workspace.save_config(config)
+    return workspace
+
+
+def configure(workspace, **changes):
+    config = workspace.config
+    for key, value in changes.items():
+        config = set_value(config, key.replace("__", "."), value)
+    workspace.save_config(config)
+    return workspace
+
+
+def spec_for(workspace, capture=True, cc=(9, 0)):
+    return build_sglang_spec(workspace, capture=capture, version=VERSION, compute_capability=cc)
+
+
+def flag_value(argv, flag, n=1):
+    i = argv.index(flag)
+    return argv[i + 1] if n == 1 else argv[i + 1:i + 1 + n]
+
+
+# ----------------------------------------------------------------------------- spec
+
+
+def test_capture_spec_flags_env_and_notes(ws):
+    spec = spec_for(ws)
+    argv = spec.argv
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert flag_value(argv, "--host") == "127.0.0.1" and flag_value(argv, "--tp-size") == "2"
+    for flag in ("--disable-radix-cache", "--disable-prefill-cuda-graph", "--enforce-disable-flashinfer-allreduce-fusion",
+                 "--enable-metrics", "--skip-server-warmup", "--enable-return-aux-hidden-states"):
+        assert flag in argv
+    assert "--enable-mixed-chunk" not in argv and "--speculative-draft-model-path" not in argv
+    assert flag_value(argv, "--speculative-algorithm") == "EAGLE3"
+    # tiny model: 4 layers -> default ours [0, 1, 2]; Llama adds 1 itself, so the flag takes our ids.
+    assert spec.capture_layers == (0, 1, 2)
+    assert flag_value(argv, "--return-aux-hidden-state-layer-ids", 3) == ["0", "1", "2"]
+    hooks = json.loads(flag_value(argv, "--forward-hooks"))
+    assert hooks[0]["hook_factory"] == HOOK_FACTORY and hooks[0]["target_modules"] == ["*logits_processor"]
+    assert hooks[0]["config"]["layers"] == [0, 1, 2] and hooks[0]["config"]["layers_sglang"] == [1, 2, 3]
+    assert spec.env["EAGLE3_CAPTURE_SPOOL"] == str(ws.spool_dir) and spec.env["EAGLE3_CAPTURE_LAYERS"] == "0,1,2"
+    assert spec.env["NCCL_P2P_DISABLE"] == "1" and spec.env_set["NCCL_P2P_DISABLE"] == "1"
+    assert spec.env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[1])
+    notes = "\n".join(spec.notes)
+    assert "layers_to_capture [1, 2, 3]" in notes and "[0, 1, 2] (ours" in notes
+    assert "--disable-radix-cache: radix cache off" in notes and "partial sums" in notes
+    assert "--attention-backend" not in argv  # Hopper: SGLang's own default
+
+
+def test_attention_backend_per_architecture(ws):
+    assert flag_value(spec_for(ws, cc=(12, 0)).argv, "--attention-backend") == "triton"
+    no_nvml = spec_for(ws, cc=None)
+    assert "--attention-backend" not in no_nvml.argv
+    assert any("compute capability unknown" in n for n in no_nvml.notes)
+    configure(ws, server__attention_backend="fa3")
+    assert flag_value(spec_for(ws, cc=(12, 0)).argv, "--attention-backend") == "fa3"
+
+
+def test_api_key_multinode_and_no_capture(ws):
+    configure(ws, server__api_key="s3cret", server__nnodes=2, server__node_rank=1,
+              server__dist_init_addr="10.0.0.1:5000")
+    spec = spec_for(ws, capture=False)
+    assert flag_value(spec.argv, "--api-key") == "s3cret" and "s3cret" not in " ".join(spec.redacted_argv())
+    assert flag_value(spec.argv, "--nnodes") == "2" and flag_value(spec.argv, "--node-rank") == "1"
+    assert flag_value(spec.argv, "--dist-init-addr") == "10.0.0.1:5000"
+    assert not spec.capture and "--forward-hooks" not in spec.argv and "--disable-radix-cache" not in spec.argv
+    assert "EAGLE3_CAPTURE_SPOOL" not in spec.env_set
+    configure(ws, server__dist_init_addr="")
+    with pytest.raises(ConfigError, match="dist_init_addr"):
+        spec_for(ws)
+
+
+def test_extra_args_that_break_capture_are_refused(ws):
+    configure(ws, server__extra_args=["--enable-mixed-chunk"])
+    with pytest.raises(ConfigError, match="breaks hidden-state capture"):
+        spec_for(ws)
+    assert "--enable-mixed-chunk" in spec_for(ws, capture=False).argv
+    configure(ws, server__extra_args=["--tp-size=4"])
+    with pytest.raises(ConfigError, match="already set"):
+        spec_for(ws)
+
+
+def test_deepseek_layer_id_convention():
+    profile = profile_for(VERSION)
+    assert aux_layer_flag_ids(profile, [1, 30, 57], "LlamaForCausalLM") == [1, 30, 57]
+    assert aux_layer_flag_ids(profile, [1, 30, 57], "KimiK25ForConditionalGeneration") == [1, 30, 57]
+    assert aux_layer_flag_ids(profile, [2, 30, 57], "DeepseekV3ForCausalLM") == [3, 31, 58]
+    with pytest.raises(ValueError, match="layer 0"):
+        aux_layer_flag_ids(profile, [0, 30, 57], "DeepseekV3ForCausalLM")
+
+
+# ----------------------------------------------------------------------------- versions
+
+
+def test_version_refusals_name_the_problem_and_fix(monkeypatch):
+    assert profile_for("0.5.23.post1").version == "0.5.23"
+    with pytest.raises(UnsupportedSglangError, match=r"SGLang 0\.5\.9 is not supported.*--enable-return-aux.*"
+                                                     r"pip install 'sglang==0\.5\.23'"):
+        profile_for("0.5.9")
+    with pytest.raises(UnsupportedSglangError, match="before 0.5.23"):
+        profile_for("0.4.10")
+    with pytest.raises(UnsupportedSglangError, match="newer than the ones"):
+        profile_for("0.6.0")
+    import engine.sglang.versions as versions
+
+    monkeypatch.setattr(versions, "installed_version", lambda: None)
+    with pytest.raises(UnsupportedSglangError, match="not installed"):
+        detect_profile()
+
+
+def test_spec_refuses_missing_sglang_as_config_error(ws, monkeypatch):
+    import engine.sglang.versions as versions
+
+    monkeypatch.delenv("EAGLE3_SGLANG_VERSION", raising=False)
+    monkeypatch.setattr(versions, "installed_version", lambda: "0.5.16")
+    with pytest.raises(ConfigError, match=r"SGLang 0\.5\.16 is not supported"):
+        build_sglang_spec(ws, compute_capability=None)
+
+
+def test_server_command_renders_sglang_spec(ws, monkeypatch, capsys):
+    from eagle3_console.cli import main
+
+    monkeypatch.setenv("EAGLE3_SGLANG_VERSION", VERSION)
+    configure(ws, server__api_key="s3cret")
+    assert main(["server", "command", "-w", str(ws.root)]) == 0
+    out = capsys.readouterr().out
+    assert "-m sglang.launch_server" in out and "--forward-hooks" in out and "s3cret" not in out
+    assert "export EAGLE3_CAPTURE_LAYERS=0,1,2" in out and "export NCCL_P2P_DISABLE=1" in out
+    assert "# capture layers: outputs of decoder layers [0, 1, 2]" in out
+
+
+# ----------------------------------------------------------------------------- preflight pieces
+
+
+def test_server_info_check_and_allreduce_skip(ws):
+    from engine.checks.sglang import check_allreduce, check_sglang_server_info
+    from engine.gpu import GpuSnapshot
+
+    ctx = CheckContext(ws)
+    hooks = json.loads(flag_value(spec_for(ws).argv, "--forward-hooks"))
+    info = {"version": VERSION, "disable_radix_cache": True, "speculative_algorithm": None, "enable_metrics": True,
+            "enable_return_aux_hidden_states": True, "return_aux_hidden_state_layer_ids": [0, 1, 2],
+            "forward_hooks": hooks}
+    [ok] = check_sglang_server_info(info, ctx)
+    assert ok.status.value == "pass" and "capture layers [0, 1, 2] (SGLang numbering [1, 2, 3])" in ok.evidence
+    [bad] = check_sglang_server_info({**info, "disable_radix_cache": False, "speculative_algorithm": "EAGLE3"}, ctx)
+    assert bad.status.value == "fail" and "radix cache is ON" in bad.evidence and "speculative" in bad.evidence
+    no_gpu = GpuSnapshot(available=False, reason="NVML unavailable: x", driver_version=None, cuda_driver_version=None,
+                         gpus=(), interconnect="unknown", timestamp=0.0)
+    skipped = check_allreduce(ctx, no_gpu)
+    assert skipped.status.value == "warn" and "needs >= 2 GPUs" in skipped.evidence
+
+
+def test_allreduce_workers_run_under_torchrun_with_gloo():
+    """The same worker code as on GPUs, over gloo on CPU (no GPU here); reports bus bandwidth."""
+    from engine.sglang.allreduce import run_allreduce_check
+
+    result = run_allreduce_check(2, dict(os.environ), "none", timeout=60, size_mb=1, iters=3,
+                                 backend="gloo", device="cpu")
+    assert result.ok, result.log_tail
+    assert result.bus_gbps is not None and result.bus_gbps > 0
+
+
+# ----------------------------------------------------------------------------- against SGLang's source
+
+
+def _defined_flags(fields_dir: Path) -> set[str]:
+    """Every CLI spelling declared in arg_groups/fields/*.py (field name or cli_name, plus aliases)."""
+    flags: set[str] = set()
+    for path in fields_dir.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            call = next((n for n in ast.walk(node.annotation) if isinstance(n, ast.Call)
+                         and getattr(n.func, "id", "") == "Arg"), None)
+            kw = {k.arg: k.value for k in (call.keywords if call else [])}
+            if isinstance(kw.get("no_cli"), ast.Constant) and kw["no_cli"].value is True:
+                continue
+            cli = kw.get("cli_name")
+            flags.add(cli.value if isinstance(cli, ast.Constant) else "--" + node.target.id.replace("_", "-"))
+            if isinstance(kw.get("aliases"), ast.List):
+                flags.update(e.value for e in kw["aliases"].elts if isinstance(e, ast.Constant))
+    return flags
+
+
+def test_every_emitted_flag_is_defined_in_sglang_source(ws, sglang_src):
+    defined = _defined_flags(sglang_src / "arg_groups" / "fields")
+    assert "--model-path" in defined and len(defined) > 200
+    configure(ws, server__api_key="k", server__nnodes=2, server__dist_init_addr="h:1", model__dtype="bfloat16")
+    argv = spec_for(ws, cc=(12, 0)).argv
+    emitted = {a for a in argv[3:] if a.startswith("--")}
+    assert emitted - defined == set()
+
+
+def test_hook_relies_only_on_names_sglang_defines(sglang_src):
+    forward_batch = (sglang_src / "model_executor" / "forward_batch_info.py").read_text(encoding="utf-8")
+    tree = ast.parse(forward_batch)
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    fb_fields = {n.target.id for n in classes["ForwardBatch"].body
+                 if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert {"forward_mode", "rids", "extend_seq_lens_cpu", "extend_prefix_lens_cpu"} <= fb_fields
+    modes = {t.id for n in classes["ForwardMode"].body if isinstance(n, ast.Assign) for t in n.targets}
+    assert {"EXTEND", "DECODE", "MIXED", "TARGET_VERIFY"} <= modes
+    manager = (sglang_src / "model_executor" / "hook_manager.py").read_text(encoding="utf-8")
+    assert "hook_factory(config)" in manager and "register_forward_hook(hook)" in manager
+    assert 'HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"' in (sglang_src / "constants.py").read_text(encoding="utf-8")
+
+
+def test_argv_parsed_by_sglang_parser(ws, sglang_importable):
+    configure(ws, server__api_key="k", server__nnodes=2, server__dist_init_addr="h:1", model__dtype="bfloat16")
+    argv = spec_for(ws, cc=(12, 0)).argv
+    script = TRITON_STUB + f'''
+import argparse, json
+sys.path.extend({sglang_importable!r})
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+ns = parser.parse_args(json.loads(sys.argv[1]))
+keys = ["model_path", "tp_size", "disable_radix_cache", "disable_prefill_cuda_graph", "enable_metrics",
+        "enforce_disable_flashinfer_allreduce_fusion", "enable_return_aux_hidden_states", "speculative_algorithm",
+        "return_aux_hidden_state_layer_ids", "forward_hooks", "attention_backend", "nnodes", "dist_init_addr",
+        "skip_server_warmup", "api_key", "dtype"]
+print("PARSED " + json.dumps({{k: getattr(ns, k) for k in keys}}))
+'''
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(argv[3:])], capture_output=True, text=True,
+                          timeout=120, env=env)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("PARSED ")), None)
+    assert line, done.stderr[-3000:]
+    parsed = json.loads(line[len("PARSED "):])
+    assert parsed["model_path"] == str(ws.model_dir) and parsed["tp_size"] == 2
+    assert parsed["disable_radix_cache"] and parsed["disable_prefill_cuda_graph"] and parsed["enable_metrics"]
+    assert parsed["enforce_disable_flashinfer_allreduce_fusion"] and parsed["enable_return_aux_hidden_states"]
+    assert parsed["speculative_algorithm"] == "EAGLE3" and parsed["return_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert parsed["forward_hooks"][0]["hook_factory"] == HOOK_FACTORY
+    assert parsed["attention_backend"] == "triton" and parsed["nnodes"] == 2 and parsed["dist_init_addr"] == "h:1"
+    assert parsed["skip_server_warmup"] and parsed["api_key"] == "k" and parsed["dtype"] == "bfloat16"
