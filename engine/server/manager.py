@@ -143,7 +143,8 @@ class ServerManager:
         busy = port_in_use(spec.host, spec.port)
         if busy:
             raise ServerStartError(f"{busy}: stop whatever holds it, or set server.port to a free port")
-        job = self.jobs.start("server", spec.argv, env=spec.env, cwd=self.workspace.root)
+        # JobManager.start waits (briefly, blocking) for the supervisor: keep it off the event loop.
+        job = await asyncio.to_thread(self.jobs.start, "server", spec.argv, env=spec.env, cwd=self.workspace.root)
         self._write_record(job_id=job.id, url=spec.url, backend=spec.backend, desired="running",
                            capture=spec.capture, spool_dir=spec.spool_dir, capture_layers=list(spec.capture_layers),
                            argv=spec.redacted_argv(), env=spec.redacted_env_set(), started_at=time.time(),
@@ -215,7 +216,7 @@ class ServerManager:
         finally:
             await client.aclose()
         return ServerStatus(
-            state="ready", model=str(info.get("model_path", "")), capture=dict(info.get("capture") or {}),
+            state="ready", model=str(info.get("model_path", "")), capture=_capture_info(info),
             flags={k: info.get(k) for k in FLAG_KEYS if k in info},
             gen_throughput=metrics.get("sglang:gen_throughput"),
             running_reqs=metrics.get("sglang:num_running_reqs"),
@@ -250,6 +251,19 @@ class ServerManager:
     def logs(self, n: int = 50) -> list[str]:
         job = self.job()
         return self.jobs.tail(job.id, n) if job else []
+
+
+def _capture_info(info: dict[str, Any]) -> dict[str, Any]:
+    """Capture settings: the local server reports `capture`; SGLang carries our hook's config."""
+    if isinstance(info.get("capture"), dict):
+        return dict(info["capture"])
+    if info.get("forward_hooks"):
+        from engine.checks.sglang import _hook_layers
+
+        layers, layers_sglang = _hook_layers(info)
+        if layers is not None:
+            return {"enabled": True, "layers": layers, "layers_sglang": layers_sglang, "backend": "sglang hook"}
+    return {}
 
 
 _KNOWN_FAILURES = (
