@@ -89,14 +89,19 @@ def test_model_dir_is_a_complete_hf_directory(demo):
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (path / name).is_file(), name
     assert not [p for p in path.parent.iterdir() if p.name != DEMO_MODEL_NAME]  # no partial dirs left
+    assert path.stat().st_mode & 0o777 == 0o755
+    assert (path / "model.safetensors").stat().st_mode & 0o777 == 0o644
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["num_hidden_layers"] == content.model.num_layers == 8
     assert config["hidden_size"] == content.model.hidden_size == 128
     assert config["tie_word_embeddings"] is False
     assert config["max_position_embeddings"] == 2048
+    assert config["torch_dtype"] == "float32" and config["rope_theta"] == 10000.0  # transformers 4.x spelling
     tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
     assert "{% generation %}" in tokenizer_config["chat_template"]
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert tokenizer_config["additional_special_tokens"] == ["<|system|>", "<|user|>", "<|assistant|>"]
     assert any("training demo target: step" in m for m in messages)
 
 
@@ -104,6 +109,7 @@ def test_tokenizer_loads_offline_and_renders_chat(tokenizer, demo):
     assert len(tokenizer) == demo[1].model.vocab_size
     assert 512 <= len(tokenizer) <= 2048
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|begin|>", "<|end|>", "<|pad|>")
+    assert {"<|system|>", "<|user|>", "<|assistant|>"} <= set(tokenizer.all_special_tokens)
     conv = read_conversations(demo[1].dataset.train)[0]
     prompt_msgs = conv[: next(i for i, m in enumerate(conv) if m["role"] == "assistant")]
     prompt = tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, tokenize=False)

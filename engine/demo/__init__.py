@@ -6,31 +6,35 @@ Everything is generated offline, on CPU, deterministically, in about half a minu
   held-out eval conversations in OpenAI `messages` JSONL, generated from templates
   written for this project: GPU memory, disk space, server status, unit conversions
   (GiB/MiB/KiB), arithmetic, lists, extraction throughput and a small table of facts
-  about speculative decoding. About a third are multi-turn (follow-up questions),
-  30% carry a system prompt. No eval user-turn sequence appears in train.
+  about speculative decoding (15 facts, each asked in many phrasings). About a fifth
+  are multi-turn (follow-up questions), a quarter carry a system prompt. No eval
+  user-turn sequence appears in train.
 
 * **Target model** (`<ws>/models/demo-target/`): a standard Hugging Face directory
   (config.json, model.safetensors in float32, generation_config.json, tokenizer.json,
   tokenizer_config.json with the chat template). `LlamaForCausalLM` with 8 decoder
   layers, hidden size 128, 4 attention heads (2 KV heads, head dim 32), SwiGLU MLP 384,
-  untied embeddings, 2048 positions, ~2.4 M parameters. 8 layers so the default EAGLE-3
+  untied embeddings, 2048 positions, ~1.8 M parameters. 8 layers so the default EAGLE-3
   capture layers [1, L//2-1, L-4] = [1, 3, 4] (SGLang numbering [2, 4, 5]) are distinct.
 
-* **Tokenizer**: byte-level BPE trained on the corpus (~900 tokens: every word of the
-  corpus becomes one token; digits are split one per token). Special tokens `<|pad|>`,
+* **Tokenizer**: byte-level BPE trained on the corpus (~950 tokens: the corpus is small,
+  so every word of it ends up as one token; digits are split one per token). Special tokens `<|pad|>`,
   `<|begin|>` (bos), `<|end|>` (eos, closes every turn), `<|system|>`, `<|user|>`,
   `<|assistant|>`. The chat template marks assistant content plus its `<|end|>` with
   `{% generation %}`, so `return_assistant_tokens_mask=True` yields the loss mask.
 
 * **Training**: AdamW (lr 3e-3, warm-up then cosine), 180 steps of 8 windows of 128
   tokens drawn from the packed train conversations, loss on assistant tokens only,
-  seed 0, 2 CPU threads. The assistant-token loss falls from ~6.8 (uniform over the
-  vocabulary) to ~1. The model has learned the answer templates, the facts it saw
-  most, and the vocabulary of the tool; it has not learned arithmetic and copies
-  numbers from the prompt only sometimes. Its answers are predictable, which is what a
-  drafter needs to reach a measurable acceptance length; they are not correct.
+  seed 0, one CPU thread (about 35 s on an idle core).
+  The assistant-token loss falls from ~6.9 (uniform over the vocabulary) to ~0.9.
+  The model has learned the answer templates, part of the facts (some verbatim), and
+  the vocabulary of the tool; it has not learned arithmetic and copies numbers from
+  the prompt only sometimes. Its answers follow fixed patterns, which is what a
+  drafter needs to reach a measurable acceptance length; they are often not correct.
 
-Same seed, steps, thread count and CPU type give byte-identical model.safetensors.
+Same seed and steps on the same kind of CPU give byte-identical model.safetensors.
+config.json and tokenizer_config.json carry both the transformers 5 and 4.x spellings.
+head_dim is 32: on SGLang GPUs pick an attention backend that supports it (triton).
 """
 
 from __future__ import annotations

@@ -59,9 +59,10 @@ BATCH_SIZE = 8
 BLOCK_LEN = 128
 PEAK_LR = 3e-3
 WARMUP_STEPS = 20
-# Bitwise-identical weights need a fixed thread count (CPU matmul reductions split by
-# thread). Two threads are ~1.7x faster than one and every CI runner has two cores.
-TRAIN_THREADS = 2
+# Bitwise-identical weights need a fixed thread count (CPU matmul reductions are split
+# by thread). One thread: the same bytes whatever the core count, and no OpenMP spinning
+# on a busy machine, where two threads measured 2-6x slower than one (idle: 1.6x faster).
+TRAIN_THREADS = 1
 
 
 def _train_threads() -> int:
@@ -237,7 +238,39 @@ def _write_model(
         max_new_tokens=64,
     )
     model.save_pretrained(out_dir, safe_serialization=True)
+    _make_portable(out_dir)
     return vocab_size, first, last
+
+
+def _make_portable(out_dir: Path) -> None:
+    """Also spell the configs the transformers 4.x way (SGLang environments pin 4.x).
+
+    transformers 5 writes `dtype`, `rope_parameters`, `tokenizer_class: TokenizersBackend`
+    and a list under `extra_special_tokens`; 4.x reads `torch_dtype`, `rope_theta`,
+    `PreTrainedTokenizerFast` and `additional_special_tokens`. Both read the result.
+    """
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config.setdefault("torch_dtype", config.get("dtype", "float32"))
+    rope = config.get("rope_parameters") or {}
+    config.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    atomic.write_json(config_path, config)
+
+    tok_path = out_dir / "tokenizer_config.json"
+    tok = json.loads(tok_path.read_text(encoding="utf-8"))
+    tok["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok.pop("backend", None)
+    extra = tok.pop("extra_special_tokens", None)
+    tok["additional_special_tokens"] = list(extra) if isinstance(extra, list) else list(ROLE_TOKENS)
+    atomic.write_json(tok_path, tok)
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp and some writers create owner-only modes; a model dir is shared like any other."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
 
 
 def build_demo_model(
@@ -275,6 +308,7 @@ def build_demo_model(
             "final_loss": round(last, 4),
         }
         atomic.write_json(tmp / "demo_info.json", info)
+        _make_readable(tmp)
         os.rename(tmp, model_dir)  # fails if model_dir appeared meanwhile: never overwrite
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
