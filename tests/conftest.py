@@ -74,3 +74,65 @@ def build_tiny_model(target: Path, seed: int = 0) -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama + BPE tokenizer directory, built once per test session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}</s>{% endgeneration %}{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model plus a chat template with {% generation %} (for datasets, probes, extraction)."""
+    import json
+    import shutil
+
+    target = tmp_path_factory.mktemp("tiny_chat") / "m"
+    shutil.copytree(tiny_model_dir, target)
+    cfg_path = target / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return target
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_workspace(root: Path, model_dir: Path, **changes):
+    """A real workspace on `model_dir` with a free port, CPU device and a private spool."""
+    from engine.config import set_value
+    from engine.workspace import init_workspace
+
+    ws = init_workspace(root)
+    config = ws.config
+    defaults = {"model.path": str(model_dir), "server.port": free_port(), "server.device": "cpu",
+                "server.startup_timeout_s": 60.0, "extract.spool_dir": str(root / "spool"),
+                "extract.disk_reserve_gb": 0.0, "extract.spool_reserve_gb": 0.0}
+    for key, value in {**defaults, **changes}.items():
+        config = set_value(config, key, value)
+    ws.save_config(config)
+    return ws
+
+
+def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
+    """n small OpenAI-format conversations with varied lengths."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = ["gpu", "disk", "server", "token", "hello", "world", "capture", "layer", "draft", "speed"]
+    with open(path, "w") as handle:
+        for i in range(n):
+            q = " ".join(rng.choice(words) for _ in range(rng.randint(3, 12)))
+            a = " ".join(rng.choice(words) for _ in range(rng.randint(4, 20)))
+            handle.write(json.dumps({"id": f"c{i:03d}", "messages": [
+                {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
+    return path

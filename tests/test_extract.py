@@ -1,0 +1,244 @@
+"""The extraction job against a real local server: correct records, resume after kill -9,
+disk guardrails on a real tmpfs, a server killed mid-run, corrupted records redone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from conftest import make_workspace, write_conversations
+from engine.checks.context import CheckContext
+from engine.config import set_value
+from engine.extract.job import COMPLETE, Extractor
+from engine.extract.launch import start_extraction
+from engine.extract.plan import build_plan
+from engine.extract.verify import check_run
+from engine.jobs import JobManager
+from engine.pipeline import Pipeline
+from engine.records import load_record, load_token_counts, read_manifest
+from engine.server.manager import ServerManager
+
+N_SAMPLES = 10
+
+
+def _ws(tmp_path, model_dir, n=N_SAMPLES, **changes):
+    ws = make_workspace(tmp_path / "ws", model_dir, **{"dataset.path": "train.jsonl", "extract.concurrency": 3,
+                                                         **changes})
+    write_conversations(ws.root / "train.jsonl", n)
+    return ws
+
+
+def _wait_job(jobs, job_id, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = jobs.get(job_id)
+        if info.state not in ("starting", "running"):
+            return info
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not finish in {timeout}s: {jobs.tail(job_id, 20)}")
+
+
+def _events(jobs, job_id):
+    return jobs.events(job_id, 0)[0]
+
+
+def _assert_exactly_once(ws, n=N_SAMPLES):
+    entries, problems = read_manifest(ws.hidden_dir)
+    lines = [json.loads(line)["id"] for line in (ws.hidden_dir / "manifest.jsonl").read_text().splitlines() if line]
+    assert len(lines) == len(set(lines)) == n, (problems, len(lines))
+    check = check_run(ws.hidden_dir, 64, deep=True)
+    assert len(check.good) == n and not check.problems, check.problems
+    on_disk = sorted(p.name for p in ws.hidden_dir.glob("records/*/*.safetensors"))
+    assert on_disk == sorted(f"{i}.safetensors" for i in lines)
+    assert not list(ws.hidden_dir.rglob("*.tmp")), "no temp file left behind"
+
+
+@pytest.fixture
+def server_ws(tiny_chat_model_dir, tmp_path):
+    ws = _ws(tmp_path, tiny_chat_model_dir)
+    manager = ServerManager(ws)
+    asyncio.run(manager.start())
+    yield ws
+    asyncio.run(manager.stop(grace=5))
+
+
+def test_records_match_in_process_reference_and_stage_turns_green(server_ws, tiny_chat_model_dir):
+    ws = server_ws
+    assert asyncio.run(Extractor(ws).run()) == 0
+    plan = build_plan(ws)
+    _assert_exactly_once(ws)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_chat_model_dir)).eval()
+    meta = json.loads((ws.hidden_dir / "run.json").read_text())
+    layers = meta["layers"]
+    entries, _ = read_manifest(ws.hidden_dir)
+    for sample in plan.samples:
+        record = load_record(ws.hidden_dir, entries[sample.id])
+        assert record["input_ids"].tolist() == sample.input_ids
+        assert record["loss_mask"].tolist() == sample.loss_mask
+        assert 0 < int(record["loss_mask"].sum()) < len(sample.input_ids)
+        with torch.no_grad():
+            out = model(torch.tensor([sample.input_ids]), output_hidden_states=True)
+            final = model.model(torch.tensor([sample.input_ids])).last_hidden_state[0]  # post final norm
+        aux = torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)
+        assert record["aux_hidden_state"].dtype == torch.bfloat16
+        torch.testing.assert_close(record["aux_hidden_state"].float(), aux.to(torch.bfloat16).float(), atol=0.05, rtol=0.02)
+        torch.testing.assert_close(record["hidden_state"].float(), final.to(torch.bfloat16).float(), atol=0.05, rtol=0.02)
+    counts = load_token_counts(ws.hidden_dir)
+    expected = sum(sum(s.loss_mask) for s in plan.samples)
+    assert int(counts.sum()) == expected
+    assert json.loads((ws.hidden_dir / COMPLETE).read_text())["samples"] == N_SAMPLES
+    assert not any(ws.spool_dir.iterdir()), "spool emptied as records commit"
+    report = asyncio.run(Pipeline(CheckContext(ws)).run_stage("extract"))
+    assert report.state.value == "passed", [r.to_dict() for r in report.results]
+
+
+def test_kill_9_then_resume_gives_every_sample_exactly_once(tiny_chat_model_dir, tmp_path):
+    ws = _ws(tmp_path, tiny_chat_model_dir, n=24, **{"extract.concurrency": 1})
+    manager = ServerManager(ws)
+    asyncio.run(manager.start())
+    jobs = JobManager(ws.jobs_dir)
+    try:
+        for kill_after in (2, 9):
+            job = start_extraction(ws, jobs)
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                progress = [e for e in _events(jobs, job.id) if e["type"] == "progress"]
+                if progress and progress[-1]["done"] >= kill_after:
+                    break
+                time.sleep(0.05)
+            jobs.kill(job.id)
+            assert jobs.get(job.id).state in ("stopped", "failed", "lost")
+        job = start_extraction(ws, jobs)
+        info = _wait_job(jobs, job.id)
+        assert info.state == "succeeded", jobs.tail(job.id, 30)
+        started = [e for e in _events(jobs, job.id) if e["type"] == "started"][0]
+        assert started["resumed"] >= 9 and started["todo"] == 24 - started["resumed"]
+        _assert_exactly_once(ws, 24)
+    finally:
+        asyncio.run(manager.stop(grace=5))
+
+
+def test_corrupted_record_is_detected_and_redone(server_ws):
+    ws = server_ws
+    assert asyncio.run(Extractor(ws).run()) == 0
+    entries, _ = read_manifest(ws.hidden_dir)
+    victim = sorted(entries.values(), key=lambda e: e.index)[3]
+    path = ws.hidden_dir / victim.path
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern mid-tensor: same size, wrong checksum
+    path.write_bytes(bytes(data))
+    report = asyncio.run(Pipeline(CheckContext(ws)).run_stage("extract"))
+    assert report.state.value == "failed" and "checksum" in json.dumps(report.to_dict())
+    assert asyncio.run(Extractor(ws).run()) == 0
+    _assert_exactly_once(ws)
+
+
+def _mount_tmpfs(path, size):
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("tmpfs mount needs root (CI runs as root)")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs: {proc.stderr.decode().strip()}")
+
+
+def test_refuses_to_start_when_the_output_disk_is_too_small(tiny_chat_model_dir, tmp_path):
+    out = tmp_path / "small"
+    _mount_tmpfs(out, "64k")
+    try:
+        ws = _ws(tmp_path, tiny_chat_model_dir, **{"extract.output_dir": str(out)})
+        proc = subprocess.run([sys.executable, "-m", "engine.extract", "--workspace", str(ws.root)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        assert "refusing to start: needs" in proc.stdout and "free" in proc.stdout and "reserve" in proc.stdout
+        assert "another disk" in proc.stdout
+        assert not (out / "run1" / "manifest.jsonl").exists()
+    finally:
+        subprocess.run(["umount", str(out)], capture_output=True)
+
+
+def test_pauses_when_disk_fills_and_resumes_when_freed(tiny_chat_model_dir, tmp_path):
+    out = tmp_path / "disk"
+    _mount_tmpfs(out, "24m")
+    ws = _ws(tmp_path, tiny_chat_model_dir, n=12, **{"extract.output_dir": str(out), "extract.disk_reserve_gb": 0.01,
+                                                       "extract.concurrency": 1})
+    manager = ServerManager(ws)
+    asyncio.run(manager.start())
+    jobs = JobManager(ws.jobs_dir)
+    ballast = out / "ballast.bin"
+    try:
+        job = start_extraction(ws, jobs)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            progress = [e for e in _events(jobs, job.id) if e["type"] == "progress"]
+            if progress and progress[-1]["done"] >= 2:
+                break
+            time.sleep(0.05)
+        # Leave ~4 MiB free mid-run: under the ~10 MiB reserve (the budget check passed at start).
+        free = os.statvfs(out).f_bavail * os.statvfs(out).f_frsize
+        ballast.write_bytes(b"\0" * (free - 4 * 2**20))
+        deadline = time.time() + 60
+        while time.time() < deadline and not any(e["type"] == "paused" for e in _events(jobs, job.id)):
+            time.sleep(0.1)
+        paused = [e for e in _events(jobs, job.id) if e["type"] == "paused"]
+        assert paused and "under the reserve" in paused[0]["reason"], jobs.tail(job.id, 20)
+        time.sleep(1.0)
+        assert jobs.get(job.id).state == "running", "paused, not crashed"
+        done_while_paused = read_manifest(ws.hidden_dir)[0]
+        ballast.unlink()
+        info = _wait_job(jobs, job.id)
+        assert info.state == "succeeded", jobs.tail(job.id, 30)
+        assert any(e["type"] == "resumed" for e in _events(jobs, job.id))
+        assert 2 <= len(done_while_paused) < 12
+        _assert_exactly_once(ws, 12)
+    finally:
+        asyncio.run(manager.stop(grace=5))
+        subprocess.run(["umount", str(out)], capture_output=True)
+
+
+def test_server_killed_mid_run_is_restarted_and_the_job_completes(tiny_chat_model_dir, tmp_path):
+    ws = _ws(tmp_path, tiny_chat_model_dir, n=30, **{"extract.concurrency": 1})
+    manager = ServerManager(ws)
+    first = asyncio.run(manager.start())
+    jobs = JobManager(ws.jobs_dir)
+    try:
+        job = start_extraction(ws, jobs)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            progress = [e for e in _events(jobs, job.id) if e["type"] == "progress"]
+            if progress and progress[-1]["done"] >= 3:
+                break
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)
+        info = _wait_job(jobs, job.id, timeout=180)
+        assert info.state == "succeeded", jobs.tail(job.id, 30)
+        kinds = [e["type"] for e in _events(jobs, job.id)]
+        assert "server_down" in kinds and "server_restart" in kinds and "server_up" in kinds
+        status = asyncio.run(manager.poll())
+        assert status.state == "ready" and status.pid != first.pid and status.restarts == 1
+        _assert_exactly_once(ws, 30)
+    finally:
+        asyncio.run(manager.stop(grace=5))
+    assert not psutil.pid_exists(first.pid) or psutil.Process(first.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_run_with_other_settings_is_refused(server_ws):
+    ws = server_ws
+    assert asyncio.run(Extractor(ws, limit=3).run()) in (0, 3)
+    ws.save_config(set_value(ws.config, "dataset.max_seq_len", 64))
+    ws.reload()
+    from engine.extract.guard import DiskBudgetError
+
+    with pytest.raises(DiskBudgetError, match="set extract.run to a new name"):
+        asyncio.run(Extractor(ws).run())
