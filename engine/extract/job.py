@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from engine.records import (
 GIB = 2**30
 COMPLETE = "complete.json"
 PAUSE_FILE = "pause.requested"
+SPOOL_SESSIONS = "spool_sessions.txt"  # rid tags of every session of this run, one a line
+_RID = re.compile(r"^x\d+-([0-9a-f]{6})-a\d+$")
 
 
 class SampleFailed(Exception):
@@ -116,6 +119,29 @@ class Extractor:
 
         primary = ServerManager(self.ws).record().get("url") or f"http://{self.cfg.server.host}:{self.cfg.server.port}"
         return [primary] + [u for u in self.cfg.extract.endpoints if u != primary]
+
+    # -- spool of earlier sessions
+    def _release_stale_spool(self) -> int:
+        """Free the captures of earlier sessions of this run: a job killed with requests in flight
+        leaves their segments in the spool (often tmpfs) for good. Only our own sessions' rids are
+        touched, since several workspaces may share one spool directory."""
+        from engine.capture.segments import SegmentError, release
+
+        try:
+            tags = set((self.run_dir / SPOOL_SESSIONS).read_text(encoding="utf-8").split()) - {self.tag}
+        except FileNotFoundError:
+            return 0
+        removed = 0
+        if not tags or not self.spool.is_dir():
+            return 0
+        for entry in self.spool.iterdir():
+            match = _RID.match(entry.name)
+            if match and match.group(1) in tags:
+                try:
+                    removed += release(self.spool, entry.name)
+                except (SegmentError, OSError):
+                    pass  # not ours after all, or vanishing: leave it
+        return removed
 
     # -- disk
     def _space_paths(self) -> dict[str, tuple[Path, int]]:
@@ -287,6 +313,8 @@ class Extractor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.spool.mkdir(parents=True, exist_ok=True)
         self._check_run_meta(plan, hidden, layers)
+        await asyncio.to_thread(self._release_stale_spool)
+        atomic.append_line(self.run_dir / SPOOL_SESSIONS, self.tag)
 
         check = await asyncio.to_thread(check_run, self.run_dir, hidden)
         planned = {s.id: s for s in plan.samples}
@@ -338,6 +366,7 @@ class Extractor:
         import torch
 
         final = check_run(self.run_dir, hidden)
+        self._release_stale_spool()  # a killed session's late captures, written after our start
         covered = set(final.good)
         missing = [s.id for s in plan.samples if s.id not in covered and s.id not in self.bad]
         if missing:

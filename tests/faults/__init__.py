@@ -1,0 +1,1 @@
+"""Fault-injection suite: kill -9, full disks, corrupted data, two consoles (see conftest.py)."""
