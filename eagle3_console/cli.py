@@ -209,6 +209,9 @@ async def _follow(jobs, job_id: str) -> None:
             if kind == "progress":
                 last = _progress_line(event)
                 print("\r" + last, end="", flush=True)
+            elif kind == "finished" and event.get("table"):
+                print(("\n" if last else "") + event["table"], flush=True)
+                last = ""
             elif kind not in ("metrics",):
                 detail = {k: v for k, v in event.items() if k not in ("t", "type")}
                 print(("\n" if last else "") + f"  [{kind}] {json.dumps(detail)[:200]}", flush=True)
