@@ -151,6 +151,10 @@ class Trainer:
         elif ckpt.latest(self.out_dir):
             raise TrainError(f"{self.out_dir} already holds checkpoints: resume with --resume, or set train.run "
                              "to a new name (the old drafter is kept)")
+        if self.is_main:
+            # Lines past the starting step come from a run that died before checkpointing them
+            # (even before its first checkpoint): they are redone, so drop them (no duplicates).
+            self._trim_metrics()
 
     def _vocab(self, run_dir: Path, size: int):
         """The draft vocabulary, fixed at the first start: regenerating it on resume would misalign lm_head rows."""
@@ -214,8 +218,6 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         if self.gpu and state["rng"]["cuda"] is not None:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        if self.is_main:
-            self._trim_metrics()
         self.event("resumed", step=self.step)
 
     def _trim_metrics(self) -> None:

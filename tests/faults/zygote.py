@@ -14,8 +14,12 @@ import multiprocessing
 import os
 from pathlib import Path
 
-PRELOAD = ["torch", "transformers", "safetensors.torch", "httpx", "engine.extract.job", "engine.extract.plan",
-           "engine.dataset", "engine.train.job", "engine.train.loop", "engine.jobctx", "faults.zygote"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.optim", "transformers",
+           "transformers.models.llama", "tokenizers", "safetensors.torch", "httpx", "engine.extract.job",
+           "engine.extract.plan", "engine.dataset", "engine.capture.segments", "engine.client",
+           "engine.server.manager", "engine.checks.model", "engine.lmhead", "engine.train.job", "engine.train.loop",
+           "engine.train.model", "engine.train.loss", "engine.train.attention", "engine.train.export",
+           "engine.jobctx", "faults.zygote"]
 ENTRIES = {"extract": "engine.extract.job", "train": "engine.train.job"}
 
 _ctx = None
@@ -40,6 +44,9 @@ def _run(entry: str, argv: list[str], job_dir: str) -> None:
     os.dup2(log, 2)
     code = 1
     try:
+        import torch
+
+        torch.set_num_threads(1)  # two cores shared by the suite: spinning thread pools only slow it down
         code = importlib.import_module(ENTRIES[entry]).main(argv)
     finally:
         os._exit(int(code or 0))

@@ -1,0 +1,56 @@
+"""Training resume after a crash at the two awkward moments the kill -9 trials exposed.
+
+- Killed before the first checkpoint: the relaunch starts from step 0 and must not leave the
+  dead run's metric lines beside its own (they were duplicated).
+- Killed after a checkpoint: the resumed run must know the best simulated acceptance length
+  reached so far, or it marks a worse later checkpoint as best (and exports it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from faults.test_kill_training import _rows, _train_ws, hidden_run  # noqa: F401 - fixture
+
+
+def test_relaunch_after_a_crash_before_the_first_checkpoint_has_no_duplicate_metrics(
+        tiny_chat_model_dir, hidden_run, tmp_path):  # noqa: F811
+    from engine.train import checkpoint as ckpt
+    from engine.train.launch import build_train_argv
+    from engine.train.loop import Trainer
+
+    torch.set_num_threads(1)
+    ws = _train_ws(tmp_path / "ws", tiny_chat_model_dir, hidden_run)
+    Trainer(ws, device="cpu", max_steps=2).run()
+    # The state a kill -9 leaves just before the first checkpoint: metric lines, no checkpoint.
+    shutil.rmtree(ws.drafter_dir / ckpt.CKPT_DIR)
+    assert [r["step"] for r in _rows(ws) if r["type"] == "train"] == [1, 2]
+    assert "--resume" not in build_train_argv(ws)  # the relaunch is a fresh start
+    Trainer(ws, device="cpu", max_steps=4).run()
+    steps = [r["step"] for r in _rows(ws) if r["type"] == "train"]
+    assert steps == [1, 2, 3, 4], steps
+    # The same through --resume (a resume with nothing to resume from).
+    shutil.rmtree(ws.drafter_dir / ckpt.CKPT_DIR)
+    Trainer(ws, device="cpu", resume=True, max_steps=3).run()
+    steps = [r["step"] for r in _rows(ws) if r["type"] == "train"]
+    assert steps == [1, 2, 3], steps
+
+
+def test_resumed_run_remembers_the_best_acceptance_so_far(tiny_chat_model_dir, hidden_run, tmp_path):  # noqa: F811
+    from engine.train import checkpoint as ckpt
+    from engine.train.loop import Trainer
+
+    torch.set_num_threads(1)
+    straight = _train_ws(tmp_path / "a", tiny_chat_model_dir, hidden_run)
+    full = Trainer(straight, device="cpu", max_steps=3)
+    full.run()
+    split = _train_ws(tmp_path / "b", tiny_chat_model_dir, hidden_run)
+    Trainer(split, device="cpu", max_steps=3).run()
+    resumed = Trainer(split, device="cpu", resume=True, max_steps=3)
+    resumed.setup()
+    assert resumed.step == 3
+    assert resumed.best_sim_al == full.best_sim_al == ckpt.best(split.drafter_dir)["sim_al"]
+    assert json.loads(json.dumps(ckpt.best(split.drafter_dir))) == ckpt.best(straight.drafter_dir)
