@@ -146,6 +146,7 @@ class Trainer:
             self.optim, lambda s: lr_factor(s, self.total_steps, warmup))
         self.step = 0
         self.best_sim_al = -1.0
+        self.best_step: int | None = None
         if self.resume:
             self._load_checkpoint()
         elif ckpt.latest(self.out_dir):
@@ -189,6 +190,7 @@ class Trainer:
         return {
             "step": self.step, "model": trainable, "optim": self.optim.state_dict(),
             "sched": self.sched.state_dict(), "best_sim_al": self.best_sim_al,
+            "best_step": self.best_step,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if self.gpu else None},
             "config": self.model.cfg.to_dict(), "total_steps": self.total_steps,
@@ -214,6 +216,9 @@ class Trainer:
         self.sched.load_state_dict(state["sched"])
         self.step = int(state["step"])
         self.best_sim_al = float(state["best_sim_al"])
+        self.best_step = state.get("best_step")
+        if self.is_main and self.best_step is not None and (ckpt.best(self.out_dir) or {}).get("step") != self.best_step:
+            ckpt.mark_best(self.out_dir, self.best_step, self.best_sim_al)  # killed before best.json was written
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         if self.gpu and state["rng"]["cuda"] is not None:
@@ -294,9 +299,11 @@ class Trainer:
             self.metric({"type": "eval", "step": self.step, "epoch": self.step / self.steps_per_epoch,
                          "t": time.time(), **summary})
             self.event("eval", step=self.step, sim_al=summary["sim_al"], loss=summary["loss"])
-        self.save_checkpoint()
-        if self.is_main and source is not None and source["sim_al"] > self.best_sim_al:
-            self.best_sim_al = source["sim_al"]
+        improved = self.is_main and source is not None and source["sim_al"] > self.best_sim_al
+        if improved:
+            self.best_sim_al, self.best_step = source["sim_al"], self.step
+        self.save_checkpoint()  # carries the best so far: a resumed run compares against it
+        if improved:
             ckpt.mark_best(self.out_dir, self.step, self.best_sim_al)
         if self.is_main:
             ckpt.prune(self.out_dir)
