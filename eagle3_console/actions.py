@@ -10,6 +10,7 @@ to its pane first so the user sees what it does.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Iterable
 
 from textual.app import SystemCommand
@@ -25,7 +26,10 @@ ACTION_PANES = {
     "start_server": "server", "stop_server": "server",
     "start_extraction": "extraction", "toggle_pause": "extraction", "stop_extraction": "extraction",
     "start_training": "training", "stop_training": "training", "next_curve": "training",
+    "start_stage_job": "pipeline", "reload_evaluation": "evaluation",
 }
+# stage -> the pane that shows its job
+JOB_PANES = {"server": "server", "extract": "extraction", "train": "training", "evaluate": "evaluation"}
 
 PANE_BINDINGS = [
     Binding("s", "start_server", "Start", tooltip="Start the server (capture on)", id="server-start"),
@@ -36,6 +40,9 @@ PANE_BINDINGS = [
     Binding("T", "start_training", "Train", tooltip="Start training, or resume from its checkpoint", id="train-start"),
     Binding("K", "stop_training", "Stop", tooltip="Stop training; it checkpoints first (asks)", id="train-stop"),
     Binding("c", "next_curve", "Curve", tooltip="Show the next training curve", id="train-curve"),
+    Binding("j", "start_stage_job", "Start job",
+            tooltip="Start the selected stage's job (server, extract, train, evaluate)", id="stage-job"),
+    Binding("l", "reload_evaluation", "Reload", tooltip="Read the evaluation report again", id="eval-reload"),
 ]
 
 
@@ -80,8 +87,9 @@ class JobActions:
         return None
 
     # -- server
-    def action_start_server(self) -> None:
-        self._focus_pane("server")
+    def action_start_server(self, focus: bool = True) -> None:
+        if focus:
+            self._focus_pane("server")
         if self.engine.server_status is not None and self.engine.server_status.state in ("ready", "starting"):
             self.notify(f"the server is already {self.engine.server_status.state}", timeout=3)
             return
@@ -204,6 +212,39 @@ class JobActions:
         self._focus_pane("training")
         self.query_one(TrainingPane).cycle_curve()
 
+    # -- pipeline: the selected stage's job
+    def action_start_stage_job(self, stage: str | None = None) -> None:
+        """Start what makes `stage` (default: the selected one) green: the server or its job."""
+        from eagle3_console.panes import PipelinePane
+
+        stage = stage or self.query_one(PipelinePane).selected_stage
+        if stage == "server":
+            self.action_start_server(focus=False)
+            return
+        if stage not in JOB_PANES:
+            self.notify(f"stage '{stage}' has no job: Enter runs its checks", timeout=4)
+            return
+        self.notify(f"starting the {stage} job…", timeout=3)
+        self._run(self._start_stage_job(stage), f"starting the {stage} job")
+
+    async def _start_stage_job(self, stage: str) -> None:
+        import asyncio
+
+        job = await self._guarded(f"starting the {stage} job", self.engine.start_stage_job(stage))
+        if job is None:
+            return
+        # Show it in its pane now, not at the engine's next job poll.
+        from eagle3_console.messages import JobsChanged
+
+        jobs = tuple(await asyncio.to_thread(self.engine.jobs.list))
+        self.post_message(JobsChanged(jobs))
+
+    def action_reload_evaluation(self) -> None:
+        from eagle3_console.panes import EvaluationPane
+
+        self._focus_pane("evaluation")
+        self.query_one(EvaluationPane).reload()
+
     # -- command palette
     def job_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield SystemCommand("Start server", "Start the server with capture on (s)", self.action_start_server)
@@ -218,3 +259,10 @@ class JobActions:
         yield SystemCommand("Stop training", "Stop training; it checkpoints first; asks first (K)",
                             self.action_stop_training)
         yield SystemCommand("Next training curve", "Loss → accuracy → acceptance length (c)", self.action_next_curve)
+        yield SystemCommand("Start the selected stage's job", "server start / extract / train / evaluate (j)",
+                            self.action_start_stage_job)
+        for stage in ("extract", "train", "evaluate"):
+            yield SystemCommand(f"Start the {stage} job", f"Start the {stage} stage's job from anywhere",
+                                partial(self.action_start_stage_job, stage))
+        yield SystemCommand("Reload evaluation report", "Read eval/<run>/report.json again (l)",
+                            self.action_reload_evaluation)

@@ -1,13 +1,18 @@
-"""The Textual console: five panes over one engine.
+"""The Textual console: six panes over one engine.
 
 The app owns no state of its own beyond the view: the engine samples GPUs and disks, runs
 checks and watches jobs, and publishes events; the app turns each into a message for the
 pane that shows it. Check runs go through workers, so the UI never waits on a check.
-Quitting closes the view only: jobs are detached processes that keep running.
+Quitting closes the view only: jobs are detached processes that keep running. So does losing
+the terminal (a dropped SSH link): SIGHUP, or a terminal that can no longer be read, closes
+the console cleanly (lock released, jobs untouched) instead of leaving it spinning on a dead tty.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 from functools import partial
 from typing import Iterable
@@ -32,7 +37,14 @@ from eagle3_console.messages import (
     ServerChanged,
     StageChanged,
 )
-from eagle3_console.panes import ExtractionPane, GpuPane, PipelinePane, ServerPane, TrainingPane
+from eagle3_console.panes import (
+    EvaluationPane,
+    ExtractionPane,
+    GpuPane,
+    PipelinePane,
+    ServerPane,
+    TrainingPane,
+)
 
 # (tab id, tab label); the number keys follow this order.
 TABS: list[tuple[str, str]] = [
@@ -41,7 +53,9 @@ TABS: list[tuple[str, str]] = [
     ("pipeline", "Pipeline"),
     ("extraction", "Extraction"),
     ("training", "Training"),
+    ("evaluation", "Evaluation"),
 ]
+TTY_CHECK_S = 2.0  # how often the console checks that its terminal is still there
 SHIPPED_THEMES = ("eagle3-dark", "eagle3-light", "eagle3-contrast")
 
 
@@ -70,6 +84,8 @@ class ConsoleApp(JobActions, App[int]):
         self.workspace = engine.workspace
         self._unsubscribe = None
         self._closed = False
+        self.hung_up = False
+        self._evaluate_seen: tuple[str, str] | None = None
         self.theme_errors: list[str] = []
         self.theme_names = self._register_themes()
         wanted = self.engine.config.ui.theme
@@ -114,6 +130,7 @@ class ConsoleApp(JobActions, App[int]):
             yield PipelinePane(stages(), engine.reports())
             yield ExtractionPane()
             yield TrainingPane(drafter_dir=self.workspace.drafter_dir, poll_s=engine.config.ui.refresh_s)
+            yield EvaluationPane(eval_dir=self.workspace.eval_dir)
         yield Footer(compact=True)  # room for the active pane's keys at 80 columns
 
     async def on_mount(self) -> None:
@@ -130,7 +147,31 @@ class ConsoleApp(JobActions, App[int]):
             self.query_one(GpuPane).post_message(GpuChanged(self.engine.gpu_snapshot))
         if self.engine.server_status is not None:
             self.query_one(ServerPane).post_message(ServerChanged(self.engine.server_status))
+        self._watch_terminal()
         await self.engine.start()
+
+    # -- losing the terminal (SSH drop)
+    def _watch_terminal(self) -> None:
+        """Exit on SIGHUP, and when the terminal stops being one (checked every TTY_CHECK_S)."""
+        if self.is_headless:
+            return  # tests and benchmarks: there is no terminal to lose
+        import asyncio
+
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.hang_up)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no SIGHUP
+            pass
+        self._check_ctty = terminal_alive(check_ctty=True)
+        self.set_interval(TTY_CHECK_S, self._check_terminal, name="tty-watchdog")
+
+    def _check_terminal(self) -> None:
+        if not terminal_alive(check_ctty=self._check_ctty):
+            self.hang_up()
+
+    def hang_up(self) -> None:
+        """The terminal went away: close like `q` (jobs keep running, lock released), quietly."""
+        self.hung_up = True
+        self.call_later(self.action_quit)
 
     async def on_unmount(self) -> None:
         await self.close_engine()
@@ -170,6 +211,8 @@ class ConsoleApp(JobActions, App[int]):
             pane = {"extract": ExtractionPane, "train": TrainingPane}.get(event.kind)
             if pane is not None:
                 self.query_one(pane).post_message(JobEventsArrived(event.job_id, event.kind, event.events))
+            if event.kind == "evaluate" and any(e.get("type") in ("finished", "error") for e in event.events):
+                self.query_one(EvaluationPane).reload()  # the report was (re)written
         elif isinstance(event, Notice):
             severity = event.level if event.level in ("information", "warning", "error") else "information"
             self.notify(event.text, severity=severity)
@@ -179,6 +222,12 @@ class ConsoleApp(JobActions, App[int]):
         self.query_one(ConsoleHeader).set_running_jobs(running)
         for pane in (ExtractionPane, TrainingPane):
             self.query_one(pane).post_message(JobsChanged(message.jobs))
+        evaluate = next((j for j in message.jobs if j.kind == "evaluate"), None)
+        seen = (evaluate.id, evaluate.state) if evaluate else None
+        if seen != self._evaluate_seen:
+            if self._evaluate_seen is not None and evaluate is not None and not evaluate.active:
+                self.query_one(EvaluationPane).reload()
+            self._evaluate_seen = seen
 
     # -- layout
     def on_resize(self, event) -> None:
@@ -285,6 +334,29 @@ class ConsoleApp(JobActions, App[int]):
                             self.action_quit)
 
 
+def terminal_alive(check_ctty: bool = True) -> bool:
+    """Whether the console still has a terminal: stdin is a tty and (check_ctty) /dev/tty opens.
+
+    After an SSH drop the pty is hung up: /dev/tty no longer opens (ENXIO/EIO) and stdin
+    reads return EOF, which would otherwise leave the input thread spinning. `check_ctty` is
+    used only when /dev/tty opened at start (some containers run without a controlling tty).
+    """
+    stdin = sys.__stdin__
+    try:
+        if stdin is None or not os.isatty(stdin.fileno()):
+            return False
+    except (OSError, ValueError):
+        return False
+    if not check_ctty:
+        return True
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
 def describe_holder(holder) -> str:
     """Who drives the workspace, short enough for an 80-column header."""
     if holder is None:
@@ -313,6 +385,11 @@ def run_console(ws, read_only: bool = False) -> int:
     engine = Engine(ws, drive=not read_only)
     app = ConsoleApp(engine)
     app.run()
-    print(closing_summary(engine), flush=True)
+    if app.hung_up:
+        return 0  # nobody is left to read a summary; the jobs keep running regardless
+    try:
+        print(closing_summary(engine), flush=True)
+    except OSError:  # the terminal went away while closing
+        pass
     code = app.return_code
     return 0 if code is None else code

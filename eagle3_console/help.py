@@ -9,23 +9,35 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 HELP_TEXT = """\
-[b]eagle3-console keys[/b]
+[b]eagle3-console keys[/b]   (mouse works too; it is never needed)
 
-  [b]1-5[/b]     GPUs · Server · Pipeline · Extraction · Training
+  [b]1-6[/b]     GPUs · Server · Pipeline · Extraction · Training · Evaluation
   [b]←/→[/b]     previous / next tab (when the tab bar has focus)
-  [b]↑/↓[/b]     move through the pipeline's stages
-  [b]Enter[/b]   re-run the checks of the highlighted stage
-  [b]r[/b]       run the checks of the selected stage
-  [b]R[/b]       run all checks, in pipeline order
+  [b]Tab[/b]     next focusable area (scroll a pane with ↑/↓ PgUp/PgDn)
   [b]t[/b]       next theme (saved in console.toml ui.theme)
   [b]Ctrl+P[/b]  command palette: every action by name, and all themes
+  [b]?[/b]       this help (Esc closes)
   [b]q[/b]       close the console — [b]jobs keep running[/b];
           open the console again to re-attach
-  [b]?[/b]       this help (Esc closes)
+
+[b]Pipeline[/b] (3)
+  [b]↑/↓[/b]     move through the stages
+  [b]Enter[/b]   run the checks of the highlighted stage
+  [b]r[/b] / [b]R[/b]   run the selected stage's checks / all checks in order
+  [b]j[/b]       start the stage's job: server start, extract, train, evaluate
+
+[b]Server[/b] (2)       [b]s[/b] start   [b]S[/b] stop (asks first)
+[b]Extraction[/b] (4)   [b]x[/b] start/resume   [b]p[/b] pause/resume   [b]X[/b] stop (asks)
+[b]Training[/b] (5)     [b]T[/b] start/resume   [b]K[/b] stop (asks)   [b]c[/b] next curve
+[b]Evaluation[/b] (6)   [b]l[/b] read the report again
+[b]Questions[/b]        [b]y[/b] yes   [b]n[/b] / [b]Esc[/b] no (Enter never confirms)
 
 A stage turns green only when its checks pass now; the detail area
 shows what each check measured and how to fix a failure.
-On terminals of 160 columns or more, all five panes show at once."""
+Pane keys show in the footer while their pane is active.
+On terminals of 160 columns or more, all six panes show at once.
+The console closes by itself if its terminal goes away (SSH drop);
+jobs keep running and the next console re-attaches."""
 
 
 class HelpScreen(ModalScreen[None]):

@@ -1,6 +1,6 @@
-"""The pane deck: one tab at a time on narrow terminals, all five in a grid on wide ones.
+"""The pane deck: one tab at a time on narrow terminals, all six in a grid on wide ones.
 
-Both layouts use the same five pane widgets, so switching on resize keeps every pane's
+Both layouts use the same six pane widgets, so switching on resize keeps every pane's
 state (cursor, scroll, last sample). Textual's TabbedContent is not used because its
 ContentSwitcher hides inactive panes with inline styles and re-activates a tab whenever a
 pane gains focus, which fights an all-panes-visible grid; a `Tabs` bar over this deck gives
@@ -15,7 +15,10 @@ WIDE_MIN_COLUMNS = 160
 
 
 class PaneDeck(Container):
-    """Holds the panes. Class `-narrow`: only the `-active` pane shows; `-wide`: a 3×2 grid."""
+    """Holds the panes. Class `-narrow`: only the `-active` pane shows; `-wide`: a 3×2 grid.
+
+    Wide order (compose order): GPUs, Server, Pipeline / Extraction, Training, Evaluation.
+    """
 
     DEFAULT_CSS = """
     PaneDeck { height: 1fr; }
@@ -27,7 +30,6 @@ class PaneDeck(Container):
         grid-columns: 1fr 1fr 1fr;
         grid-rows: 1fr 1fr;
     }
-    PaneDeck.-wide > PipelinePane { row-span: 2; }
     """
 
     def set_wide(self, wide: bool) -> None:

@@ -28,7 +28,7 @@ from eagle3_console.panes import ExtractionPane, GpuPane, PipelinePane
 from eagle3_console.panes.gpu import gpu_rows
 
 PANE_CLASSES = {"gpus": "GpuPane", "server": "ServerPane", "pipeline": "PipelinePane",
-                "extraction": "ExtractionPane", "training": "TrainingPane"}
+                "extraction": "ExtractionPane", "training": "TrainingPane", "evaluation": "EvaluationPane"}
 STAGES = ["gpus", "model", "dataset", "server", "capture", "disk", "extract", "train", "evaluate"]
 
 
@@ -126,7 +126,7 @@ async def test_tabs_reachable_by_number_keys_at_80x24(ws):
             assert len(line.rstrip()) <= 80
 
 
-async def test_all_five_panes_visible_together_at_160x50(ws):
+async def test_all_six_panes_visible_together_at_160x50(ws):
     app = ConsoleApp(Engine(ws))
     async with app.run_test(size=(160, 50)) as pilot:
         await wait_until(pilot, lambda: app.query_one(ExtractionPane).usages)
@@ -140,7 +140,7 @@ async def test_all_five_panes_visible_together_at_160x50(ws):
             for b in panes[i + 1:]:
                 assert not a.region.overlaps(b.region)
         text = screen_text(app)
-        for title in ("GPUs & NCCL", "Server", "Pipeline", "Extraction", "Training"):
+        for title in ("GPUs & NCCL", "Server", "Pipeline", "Extraction", "Training", "Evaluation"):
             assert title in text
         app.save_screenshot("/tmp/console_160x50.svg")
         # Narrowing the terminal switches back to tabs without losing the pipeline cursor.

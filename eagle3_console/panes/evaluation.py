@@ -1,24 +1,47 @@
 """Evaluation pane: the report's table, acceptance per draft position as bars, and the verdict —
 red "slower than no speculation" when speculation does not pay for itself.
 
+With `eval_dir`, the pane reads `<eval_dir>/report.json` in a thread worker (never on the UI
+thread): on mount and whenever `reload()` is called (the app calls it when an evaluate job
+ends). The table is wider than 80 columns, so it sits in a container that scrolls sideways
+instead of being cut off.
+
 Imports only engine.evaluate.report (plain Python): no torch at console start-up.
 """
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
 from typing import Any
 
+from textual import work
 from textual.app import ComposeResult
+from textual.containers import ScrollableContainer
+from textual.message import Message
 from textual.widgets import Static
 
 from eagle3_console.panes.base import Pane
 from engine.evaluate.report import (
+    ReportError,
     header_line,
     is_slower,
     position_lines,
+    read_report,
     table_lines,
     verdict,
 )
+
+EMPTY_TEXT = "no evaluation yet — run the evaluate stage to measure acceptance length and speedup"
+
+
+class EvaluationReportRead(Message, bubble=False):
+    """A worker read report.json: the report, or None with the reason (missing, unreadable)."""
+
+    def __init__(self, report: dict[str, Any] | None, problem: str = "") -> None:
+        super().__init__()
+        self.report = report
+        self.problem = problem
 
 
 class EvaluationPane(Pane):
@@ -27,6 +50,8 @@ class EvaluationPane(Pane):
     PANE_ID = "evaluation"
     TITLE = "Evaluation"
     DEFAULT_CSS = """
+    EvaluationPane #evaluation-scroll { height: 1fr; overflow-x: auto; overflow-y: auto; }
+    EvaluationPane #evaluation-scroll > Static { width: auto; min-width: 100%; }
     EvaluationPane #evaluation-header { height: auto; color: $text-muted; }
     EvaluationPane #evaluation-table { height: auto; margin: 1 0 0 0; }
     EvaluationPane #evaluation-positions { height: auto; margin: 1 0 0 0; color: $accent; }
@@ -35,20 +60,52 @@ class EvaluationPane(Pane):
     EvaluationPane #evaluation-notes { height: auto; color: $text-muted; }
     """
 
-    def __init__(self, report: dict[str, Any] | None = None, *, id: str | None = None,
-                 classes: str | None = None) -> None:
+    def __init__(self, report: dict[str, Any] | None = None, *, eval_dir: Path | str | None = None,
+                 id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self._report = report
+        self.eval_dir = Path(eval_dir) if eval_dir else None
+        self.problem = ""  # why no report is shown ("" when one is, or none was looked for)
+        self._read_lock = threading.Lock()
 
     def compose(self) -> ComposeResult:
-        yield Static("", id="evaluation-header", markup=False)
-        yield Static("", id="evaluation-table", markup=False)
-        yield Static("", id="evaluation-positions", markup=False)
+        # The verdict goes first: at 80x24 it is the line that matters, the table scrolls.
         yield Static("", id="evaluation-verdict", markup=False)
-        yield Static("", id="evaluation-notes", markup=False)
+        with ScrollableContainer(id="evaluation-scroll"):
+            yield Static("", id="evaluation-header", markup=False)
+            yield Static("", id="evaluation-table", markup=False)
+            yield Static("", id="evaluation-positions", markup=False)
+            yield Static("", id="evaluation-notes", markup=False)
 
     def on_mount(self) -> None:
         self._render_report(self._report)
+        if self.eval_dir is not None and self._report is None:
+            self.reload()
+
+    @property
+    def report(self) -> dict[str, Any] | None:
+        return self._report
+
+    def reload(self) -> None:
+        """Read report.json again (in a worker); the pane updates when it is read."""
+        if self.eval_dir is not None:
+            self._read_report()
+
+    @work(thread=True, group="evaluation-report", exit_on_error=False)
+    def _read_report(self) -> None:
+        if not self._read_lock.acquire(blocking=False):
+            return  # a read is under way
+        try:
+            report, problem = read_report(self.eval_dir), ""
+        except ReportError as exc:
+            report, problem = None, str(exc)
+        finally:
+            self._read_lock.release()
+        self.post_message(EvaluationReportRead(report, problem))
+
+    def on_evaluation_report_read(self, message: EvaluationReportRead) -> None:
+        self.problem = message.problem
+        self.show_report(message.report)
 
     def show_report(self, report: dict[str, Any] | None) -> None:
         """Render `report` (engine.evaluate.report.read_report's dict); None shows the empty state."""
@@ -63,15 +120,21 @@ class EvaluationPane(Pane):
         verdict_line = self.query_one("#evaluation-verdict", Static)
         notes = self.query_one("#evaluation-notes", Static)
         if not report:
-            header.update("no evaluation yet — run the evaluate stage to measure acceptance length and speedup")
-            for widget in (table, positions, verdict_line, notes):
+            header.update(EMPTY_TEXT)
+            unreadable = self.problem and "no evaluation report at" not in self.problem
+            notes.update(self.problem if unreadable else "")
+            for widget in (table, positions, verdict_line):
                 widget.update("")
+            verdict_line.display = False
             verdict_line.remove_class("-slower")
             return
+        verdict_line.display = True
         header.update(header_line(report))
         table.update("\n".join(table_lines(report)))
         positions.update("\n".join(["acceptance per draft position"] + ["  " + line for line in position_lines(report)]))
         slower = is_slower(report)
-        verdict_line.update(("SLOWER: " if slower else "") + verdict(report))
+        acceptance = (report.get("overall") or {}).get("acceptance_length")
+        al = f"acceptance length {acceptance:.2f} · " if isinstance(acceptance, (int, float)) else ""
+        verdict_line.update(("SLOWER: " if slower else "") + al + verdict(report))
         verdict_line.set_class(slower, "-slower")
         notes.update("\n".join(f"note: {n}" for n in report.get("notes") or []))
