@@ -47,6 +47,31 @@ def write_with(path: str | os.PathLike, writer: Callable[[IO[bytes]], None], mod
     _fsync_dir(path.parent)
 
 
+def write_via_path(path: str | os.PathLike, writer: Callable[[str], None], mode: int = 0o644) -> None:
+    """Atomic write for libraries that want a file *name* (safetensors' save_file writes
+    straight from tensor memory, ~10x faster than building bytes in Python first)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        writer(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
 def write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
     write_with(path, lambda handle: handle.write(data), mode)
 

@@ -61,10 +61,9 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def encode_record(input_ids, loss_mask, aux_hidden_state, hidden_state) -> bytes:
-    """Validate shapes and dtypes, return the safetensors bytes."""
+def record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state) -> dict:
+    """Validate shapes and dtypes; the tensors as stored."""
     import torch
-    from safetensors.torch import save
 
     t = int(input_ids.shape[0])
     if input_ids.dim() != 1 or loss_mask.shape != input_ids.shape:
@@ -80,16 +79,46 @@ def encode_record(input_ids, loss_mask, aux_hidden_state, hidden_state) -> bytes
         "aux_hidden_state": aux_hidden_state.to(torch.bfloat16).contiguous(),
         "hidden_state": hidden_state.to(torch.bfloat16).contiguous(),
     }
-    return save(tensors, metadata={"format": "eagle3-console", "version": str(FORMAT_VERSION)})
+    return tensors
+
+
+RECORD_METADATA = {"format": "eagle3-console", "version": str(FORMAT_VERSION)}
+
+
+def encode_record(input_ids, loss_mask, aux_hidden_state, hidden_state) -> bytes:
+    """The safetensors bytes of a record (tests and tools; the job writes files directly)."""
+    from safetensors.torch import save
+
+    return save(record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state), metadata=RECORD_METADATA)
 
 
 def write_record(run_dir: Path, index: int, sample_id: str, input_ids, loss_mask, aux_hidden_state,
                  hidden_state) -> RecordEntry:
     """Write the record atomically and return its manifest entry (not yet appended)."""
+    from safetensors.torch import save_file
+
     rel = record_relpath(index, sample_id)
-    data = encode_record(input_ids, loss_mask, aux_hidden_state, hidden_state)
-    atomic.write_bytes(Path(run_dir) / rel, data)
-    return RecordEntry(sample_id, index, rel, int(input_ids.shape[0]), int(loss_mask.sum()), len(data), _sha256(data))
+    tensors = record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state)
+    path = Path(run_dir) / rel
+    digest = {}
+
+    def write(tmp: str) -> None:
+        save_file(tensors, tmp, metadata=RECORD_METADATA)
+        digest["sha256"], digest["bytes"] = _sha256_file(tmp)  # hash what is on disk, before the rename
+
+    atomic.write_via_path(path, write)
+    return RecordEntry(sample_id, index, rel, int(input_ids.shape[0]), int(loss_mask.sum()), digest["bytes"],
+                       digest["sha256"])
+
+
+def _sha256_file(path: str) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            h.update(block)
+            size += len(block)
+    return h.hexdigest(), size
 
 
 def append_manifest(run_dir: Path, entry: RecordEntry) -> None:

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save_file
 
-from engine.atomic import write_bytes
+from engine.atomic import write_via_path
 from engine.names import check_name
 
 FORMAT_NAME = "eagle3-console/capture-segment"
@@ -112,7 +112,7 @@ def write_segment(
         "dtype": str(final.dtype).removeprefix("torch."),
     }
     path = segment_path(spool_dir, rid, start)
-    write_bytes(path, save(tensors, metadata=metadata))
+    write_via_path(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return path
 
 

@@ -166,6 +166,7 @@ class ModelRunner:
         self.stats = RunnerStats()
         self._inbox: queue.Queue[GenRequest | None] = queue.Queue()
         self._write_queue: queue.Queue[tuple | None] = queue.Queue(maxsize=capture_queue_size)
+        self.capture_writers = 4
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._stats_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -284,7 +285,11 @@ class ModelRunner:
     # ---- threads ----------------------------------------------------------------------
 
     def start(self) -> None:
-        for target, name in ((self._worker_loop, "model-worker"), (self._writer_loop, "capture-writer")):
+        # Several writers: safetensors writes outside the GIL, so segments of one batch are
+        # written in parallel while the model runs the next one.
+        targets = [(self._worker_loop, "model-worker")]
+        targets += [(self._writer_loop, f"capture-writer-{i}") for i in range(self.capture_writers)]
+        for target, name in targets:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -321,7 +326,8 @@ class ModelRunner:
         while True:
             first = self._inbox.get()
             if first is None:
-                self._write_queue.put(None)
+                for _ in range(self.capture_writers):
+                    self._write_queue.put(None)
                 return
             group = [first]
             stop_after = False
@@ -337,7 +343,8 @@ class ModelRunner:
                 group.append(item)
             self._run_group_safely(group)
             if stop_after:
-                self._write_queue.put(None)
+                for _ in range(self.capture_writers):
+                    self._write_queue.put(None)
                 return
 
     def _run_group_safely(self, group: list[GenRequest]) -> None:
@@ -362,9 +369,11 @@ class ModelRunner:
             item = self._write_queue.get()
             if item is None:
                 return
-            completion, ids, aux, final = item
+            completion, ids, aux, final, copied = item
             assert self.capture is not None
             try:
+                if copied is not None:
+                    copied.synchronize()  # the asynchronous device-to-host copies have landed
                 write_segment(self.capture.spool_dir, completion.request.rid, 0, ids, aux, final,
                               self.capture.layers)
             except Exception as exc:
@@ -433,13 +442,25 @@ class ModelRunner:
         assert self.capture is not None
         layer_states = [self._hook_store[f"layer{layer}"] for layer in self.capture.layers]
         final_states = self._hook_store["final"]
+        on_gpu = final_states.is_cuda
         for row in rows:
             n = lengths[row]
-            aux = torch.cat([states[row, :n] for states in layer_states], dim=-1).to("cpu")
-            final = final_states[row, :n].to("cpu")
+            aux_dev = torch.cat([states[row, :n] for states in layer_states], dim=-1)
+            final_dev = final_states[row, :n]
+            if on_gpu:
+                # Pinned buffers + non-blocking copies: the forward never waits for the host;
+                # the writer thread waits on the event instead.
+                aux = torch.empty(aux_dev.shape, dtype=aux_dev.dtype, pin_memory=True)
+                final = torch.empty(final_dev.shape, dtype=final_dev.dtype, pin_memory=True)
+                aux.copy_(aux_dev, non_blocking=True)
+                final.copy_(final_dev, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+            else:
+                aux, final, copied = aux_dev, final_dev, None
             ids = input_ids[row, :n].to("cpu")
             completions[row].capture_queued = True
-            self._write_queue.put((completions[row], ids, aux, final))  # blocks if the disk lags
+            self._write_queue.put((completions[row], ids, aux, final, copied))  # blocks if the disk lags
 
     def _decode(self, group, completions, lengths, mask, cache, last_logits) -> None:
         import torch
