@@ -198,7 +198,9 @@ class ConsoleApp(JobActions, App[int]):
         )
 
         if isinstance(event, GpuUpdated):
-            self.query_one(GpuPane).post_message(GpuChanged(event.snapshot))
+            pane = self.query_one(GpuPane)
+            pane.record_sample(event.snapshot)
+            pane.post_message(GpuChanged(event.snapshot))
         elif isinstance(event, DiskUpdated):
             self.query_one(ExtractionPane).post_message(DiskChanged(event.usages))
         elif isinstance(event, StageUpdated):

@@ -174,11 +174,14 @@ def test_gpu_rows_fit_the_width():
                            memory_total=96 * 2**30, temperature_c=60 + i * 4, power_w=300.0, power_limit_w=600.0,
                            sm_clock_mhz=2400, max_sm_clock_mhz=2800, pcie_gen=5, pcie_width=16) for i in range(8))
     snap = GpuSnapshot(True, "", "580.1", "13.0", gpus, "PCIe (PHB)", 0.0)
-    for width in (76, 50):
-        lines = gpu_rows(snap, width)
-        assert len(lines) == 1 + 8
-        for line in lines:
-            assert Content.from_markup(line).cell_length <= width, (width, line)
+    history = {i: [10, 50, 90, 100][: i % 4 + 1] for i in range(8)}
+    for width in (76, 62, 50, 48):
+        for hist in (None, history):
+            lines = gpu_rows(snap, width, hist)
+            assert len(lines) == 1 + 8
+            for line in lines:
+                assert Content.from_markup(line).cell_length <= width, (width, line)
+    assert Content.from_markup(gpu_rows(snap, 76, history)[4]).plain.endswith("▂▅▇█")
     assert "2400MHz" in Content.from_markup(gpu_rows(snap, 76)[1]).plain
     assert "9.0/96G" in Content.from_markup(gpu_rows(snap, 76)[1]).plain
 

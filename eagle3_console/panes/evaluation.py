@@ -32,6 +32,34 @@ from engine.evaluate.report import (
     verdict,
 )
 
+WIDE_TABLE = 84  # cells the full table needs; narrower panes get the compact one
+
+
+def compact_table_lines(report: dict[str, Any], max_rows: int = 50) -> list[str]:
+    """The per-prompt table in 47 cells: prompt, tokens, acceptance length, spec tok/s, speedup, greedy."""
+    head = f"{'prompt':<10} {'tokens':>6} {'AL':>5} {'tok/s':>6} {'speedup':>7} greedy"
+    rule = "─" * len(head)
+
+    def row(name: str, p: dict[str, Any], greedy: str) -> str:
+        speedup = p.get("speedup")
+        al, tps = p.get("acceptance_length"), p.get("spec_tokens_per_s")
+        return (f"{name[:10]:<10} {p.get('completion_tokens', 0):>6} "
+                f"{'—' if al is None else f'{al:.2f}':>5} {'—' if tps is None else f'{tps:.1f}':>6} "
+                f"{'—' if speedup is None else f'{speedup:.2f}×':>7} {greedy}")
+
+    lines = [head, rule]
+    prompts = list(report.get("prompts") or [])
+    for p in prompts[:max_rows]:
+        match = p.get("matches_greedy")
+        lines.append(row(str(p.get("id", "?")), p, "—" if match is None else ("same" if match else "differs")))
+    if len(prompts) > max_rows:
+        lines.append(f"… {len(prompts) - max_rows} more prompt(s) in report.json")
+    o = report.get("overall") or {}
+    compared = o.get("greedy_compared") or 0
+    lines += [rule, row("overall", o, f"{o.get('greedy_matches', 0)}/{compared}" if compared else "—")]
+    return lines
+
+
 EMPTY_TEXT = "no evaluation yet — run the evaluate stage to measure acceptance length and speedup"
 
 
@@ -55,7 +83,7 @@ class EvaluationPane(Pane):
     EvaluationPane #evaluation-header { height: auto; color: $text-muted; }
     EvaluationPane #evaluation-table { height: auto; margin: 1 0 0 0; }
     EvaluationPane #evaluation-positions { height: auto; margin: 1 0 0 0; color: $accent; }
-    EvaluationPane #evaluation-verdict { height: auto; margin: 1 0 0 0; text-style: bold; color: $success; }
+    EvaluationPane #evaluation-verdict { height: auto; text-style: bold; color: $success; }
     EvaluationPane #evaluation-verdict.-slower { color: $error; }
     EvaluationPane #evaluation-notes { height: auto; color: $text-muted; }
     """
@@ -71,8 +99,8 @@ class EvaluationPane(Pane):
     def compose(self) -> ComposeResult:
         # The verdict goes first: at 80x24 it is the line that matters, the table scrolls.
         yield Static("", id="evaluation-verdict", markup=False)
-        with ScrollableContainer(id="evaluation-scroll"):
-            yield Static("", id="evaluation-header", markup=False)
+        yield Static("", id="evaluation-header", markup=False)
+        with ScrollableContainer(id="evaluation-scroll"):  # a table wider than the pane scrolls sideways
             yield Static("", id="evaluation-table", markup=False)
             yield Static("", id="evaluation-positions", markup=False)
             yield Static("", id="evaluation-notes", markup=False)
@@ -103,6 +131,10 @@ class EvaluationPane(Pane):
             self._read_lock.release()
         self.post_message(EvaluationReportRead(report, problem))
 
+    def on_resize(self) -> None:
+        if self._report:
+            self._render_report(self._report)
+
     def on_evaluation_report_read(self, message: EvaluationReportRead) -> None:
         self.problem = message.problem
         self.show_report(message.report)
@@ -130,7 +162,8 @@ class EvaluationPane(Pane):
             return
         verdict_line.display = True
         header.update(header_line(report))
-        table.update("\n".join(table_lines(report)))
+        width = self.content_region.width or 76
+        table.update("\n".join(compact_table_lines(report) if width < WIDE_TABLE else table_lines(report)))
         positions.update("\n".join(["acceptance per draft position"] + ["  " + line for line in position_lines(report)]))
         slower = is_slower(report)
         acceptance = (report.get("overall") or {}).get("acceptance_length")

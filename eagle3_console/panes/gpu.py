@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from textual.app import ComposeResult
 from textual.widgets import Static
 
@@ -22,15 +24,37 @@ def _pct(value: int | float | None) -> str:
     return "  ? " if value is None else f"{value:>3.0f}%"
 
 
-def gpu_rows(snapshot, width: int) -> list[str]:
-    """Markup lines for the GPU table at `width` cells: narrow widths drop power and clock."""
-    show_extra = width >= 64
-    name_w = 12 if width >= 72 else 8
-    fixed = 3 + name_w + 1 + 5 + 1 + 11 + 1 + 5 + (14 if show_extra else 0) + 4
-    bar_w = max(4, (width - fixed) // 2)
-    head = f"{'#':>2} {'name':<{name_w}} {'util':<{bar_w + 5}} {'memory':<{bar_w + 12}} {'temp':>4}"
+SPARK_CHARS = "▁▂▃▄▅▆▇█"
+HISTORY = 60  # utilisation samples kept per GPU (one per sample, 1 Hz by default)
+
+
+def spark_text(values, width: int) -> str:
+    """The last `width` percentages as a one-line sparkline (0..100 scale), padded on the left."""
+    recent = list(values)[-width:]
+    cells = "".join(SPARK_CHARS[min(7, max(0, round(v * 7 / 100)))] if v is not None else " " for v in recent)
+    return cells.rjust(width)
+
+
+def gpu_rows(snapshot, width: int, history: dict[int, "deque"] | None = None) -> list[str]:
+    """Markup lines for the GPU table at `width` cells, one row per GPU.
+
+    Columns drop by priority as the pane narrows: power and clock below 70 cells, the memory
+    bar below 60 (memory stays as text); the utilisation sparkline shows when `history` is given.
+    """
+    history = history or {}
+    show_extra = width >= 70
+    mem_bar = width >= 60
+    spark_w = (8 if width >= 60 else 6) if history else 0
+    name_w = 12 if width >= 90 else 8
+    fixed = 3 + name_w + 1 + 5 + 11 + 1 + 4 + (14 if show_extra else 0) + (spark_w + 1 if spark_w else 0)
+    bars = 2 if mem_bar else 1
+    bar_w = max(4, (width - fixed - bars) // bars)
+    head = f"{'#':>2} {'name':<{name_w}} {'util':<{bar_w + 5}}"
+    head += f"{'memory':<{bar_w + 12 if mem_bar else 12}}{'temp':>4}"
     if show_extra:
         head += f" {'power':>5} {'clock':>7}"
+    if spark_w:
+        head += f" {'trend':<{spark_w}}"
     lines = [f"[$text-muted]{head}[/]"]
     for gpu in snapshot.gpus:
         mem_pct = None
@@ -39,16 +63,19 @@ def gpu_rows(snapshot, width: int) -> list[str]:
         util = gpu.utilization_gpu
         temp = gpu.temperature_c
         temp_text = f"[{level_colour(temp, 75, 85)}]{'?' if temp is None else temp:>2}°C[/]"
-        row = (
-            f"{gpu.index:>2} {esc(clip(gpu.name.replace('NVIDIA ', ''), name_w)):<{name_w}} "
-            f"{bar(None if util is None else util / 100, bar_w)}{_pct(util)} "
-            f"{bar(None if mem_pct is None else mem_pct / 100, bar_w, level_colour(mem_pct, 80, 95))}"
-            f"{_mem_text(gpu.memory_used, gpu.memory_total):>11} {temp_text:>4}"
-        )
+        mem_colour = level_colour(mem_pct, 80, 95)
+        row = (f"{gpu.index:>2} {esc(clip(gpu.name.replace('NVIDIA ', ''), name_w)):<{name_w}} "
+               f"{bar(None if util is None else util / 100, bar_w)}{_pct(util)} ")
+        if mem_bar:
+            row += f"{bar(None if mem_pct is None else mem_pct / 100, bar_w, mem_colour)}"
+        row += f"[{mem_colour if not mem_bar else '$foreground'}]{_mem_text(gpu.memory_used, gpu.memory_total):>11}[/]"
+        row += f" {temp_text:>4}"
         if show_extra:
             power = "   ?W" if gpu.power_w is None else f"{gpu.power_w:>4.0f}W"
             clock = "     ? " if gpu.sm_clock_mhz is None else f"{gpu.sm_clock_mhz:>4}MHz"
             row += f" {power} {clock:>7}"
+        if spark_w:
+            row += f" [$accent]{spark_text(history.get(gpu.index, ()), spark_w)}[/]"
         lines.append(row)
     return lines
 
@@ -88,6 +115,7 @@ class GpuPane(Pane):
         self.nccl_preset = nccl_preset
         self.disable_nvls = disable_nvls
         self.snapshot = None
+        self.history: dict[int, deque] = {}  # GPU index -> recent utilisation percentages
 
     def compose(self) -> ComposeResult:
         yield Static("[$text-muted]sampling GPUs…[/]", id="gpu-status")
@@ -96,6 +124,13 @@ class GpuPane(Pane):
 
     def on_mount(self) -> None:
         self._render_snapshot()
+
+    def record_sample(self, snapshot) -> None:
+        """Add a sample to the per-GPU history. Called for every sample (the app does it as each
+        arrives), since GpuChanged messages are coalesced and would drop history points."""
+        if snapshot is not None and snapshot.available:
+            for gpu in snapshot.gpus:
+                self.history.setdefault(gpu.index, deque(maxlen=HISTORY)).append(gpu.utilization_gpu)
 
     def on_gpu_changed(self, message: GpuChanged) -> None:
         self.snapshot = message.snapshot
@@ -126,7 +161,7 @@ class GpuPane(Pane):
                           f" · driver {esc(snap.driver_version or '?')}{cuda}")
             table.display = True
             width = max(40, self.content_region.width or 78)
-            table.update("\n".join(gpu_rows(snap, width)))
+            table.update("\n".join(gpu_rows(snap, width, self.history)))
         lines = nccl_lines(self.nccl_preset, self.disable_nvls, suggested)
         if snap is not None and not snap.available:
             lines.insert(0, "interconnect [$text-muted]unknown (no NVML)[/]")

@@ -1,0 +1,44 @@
+"""Snapshot tests (pytest-textual-snapshot) of every pane in its empty, running, failed and
+done states, at 80x24 (one tab at a time) and 160x50 (all panes at once).
+
+Scenes come from tests/test_console_scenes.py: a real console over a real workspace fed fixed
+engine events and fixed files (the 8-GPU snapshot is hand-built: no NVML on CI). Update the
+baselines with `pytest tests/test_snapshots.py --snapshot-update` and review the SVG diff.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_console import make_workspace
+from tests.test_console_scenes import apply_scene, make_app
+
+NARROW = [
+    ("gpus", "empty"), ("gpus", "running"),
+    ("server", "running"), ("server", "failed"),
+    ("pipeline", "empty"), ("pipeline", "failed"),
+    ("extraction", "running"), ("extraction", "failed"), ("extraction", "done"),
+    ("training", "running"), ("training", "failed"),
+    ("evaluation", "empty"), ("evaluation", "done"),
+]
+WIDE = ["empty", "running", "failed", "done"]
+
+
+@pytest.mark.parametrize(("tab", "scene"), NARROW, ids=[f"{t}-{s}" for t, s in NARROW])
+def test_pane_at_80x24(snap_compare, tmp_path, tab, scene):
+    app = make_app(make_workspace(tmp_path), scene)
+
+    async def run_before(pilot) -> None:
+        await apply_scene(app, pilot, scene, tab)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+@pytest.mark.parametrize("scene", WIDE)
+def test_all_panes_at_160x50(snap_compare, tmp_path, scene):
+    app = make_app(make_workspace(tmp_path), scene)
+
+    async def run_before(pilot) -> None:
+        await apply_scene(app, pilot, scene, "pipeline")
+
+    assert snap_compare(app, terminal_size=(160, 50), run_before=run_before)
