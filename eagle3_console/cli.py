@@ -252,7 +252,8 @@ def status_data(ws) -> dict:
             "workspace": str(ws.root),
             "driver": ws.lock.holder().describe() if ws.lock.holder() and _lock_held(ws) else None,
             "stages": [r.to_dict() for r in engine.reports()],
-            "jobs": [_job_dict(j) for j in jobs],
+            "jobs": [_job_dict(j, with_progress=_show_progress(j, jobs)) for j in jobs],
+            "evaluation": _evaluation_summary(ws),
             "server": _server_status(ws),
             "gpus": gpu.to_dict(),
             "disk": [_disk_dict(d) for d in disks],
@@ -277,14 +278,99 @@ def _lock_held(ws) -> bool:
     return True
 
 
-def _job_dict(job) -> dict:
-    return {"id": job.id, "kind": job.kind, "state": job.state, "pid": job.pid, "exit_code": job.exit_code,
+def _job_dict(job, with_progress: bool = False) -> dict:
+    data = {"id": job.id, "kind": job.kind, "state": job.state, "pid": job.pid, "exit_code": job.exit_code,
             "started_at": job.started_at, "ended_at": job.ended_at}
+    if with_progress:
+        data["progress"] = _last_progress(job)
+    return data
+
+
+def _show_progress(job, jobs) -> bool:
+    """Progress for running jobs and for the newest job of each kind (the one panes show)."""
+    newest = next((j for j in jobs if j.kind == job.kind), None)
+    return job.active or newest is job
+
+
+def _last_progress(job, tail_bytes: int = 65536) -> dict | None:
+    """The newest `progress` event (plus a pause or end, if newer) from the end of events.jsonl.
+
+    Reads only the file's last `tail_bytes`: events files of long runs are large.
+    """
+    path = Path(job.dir) / "events.jsonl"
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - tail_bytes))
+            data = handle.read()
+    except OSError:
+        return None
+    progress, last = None, None
+    for line in data.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a torn first or last line
+        if not isinstance(event, dict):
+            continue
+        if event.get("type") == "progress":
+            progress = event
+        elif event.get("type") in ("paused", "resumed", "finished", "stopped", "error", "incomplete"):
+            last = event
+    if progress is None and last is None:
+        return None
+    out: dict = {}
+    if progress is not None:
+        for key in ("done", "total", "eta_s", "tokens_per_s", "paused", "loss", "acceptance_length"):
+            if progress.get(key) not in (None, ""):
+                out[key] = progress[key]
+        done, total = progress.get("done"), progress.get("total")
+        if isinstance(done, (int, float)) and isinstance(total, (int, float)) and total:
+            out["percent"] = round(100.0 * done / total, 1)
+    if last is not None:
+        out["last_event"] = last.get("type")
+        if last.get("type") == "paused":
+            out["paused"] = last.get("reason", "")
+        if last.get("message"):
+            out["message"] = last["message"]
+    return out
+
+
+def _evaluation_summary(ws) -> dict | None:
+    """Overall figures of eval/<run>/report.json, or why there are none."""
+    from engine.evaluate.report import ReportError, is_slower, read_report, verdict
+
+    try:
+        report = read_report(ws.eval_dir)
+    except ReportError as exc:
+        return {"available": False, "reason": str(exc)}
+    o = report.get("overall") or {}
+    return {"available": True, "path": str(ws.eval_dir / "report.json"), "backend": report.get("backend"),
+            "prompts": o.get("prompts"), "acceptance_length": o.get("acceptance_length"),
+            "speedup": o.get("speedup"), "slower": is_slower(report), "verdict": verdict(report),
+            "drafter_sha256": (report.get("drafter") or {}).get("sha256")}
 
 
 def _disk_dict(d) -> dict:
     return {"label": d.label, "path": d.path, "mount": d.mount, "total": d.total, "used": d.used,
             "free": d.free, "reserve": d.reserve, "below_reserve": d.below_reserve}
+
+
+def _progress_text(progress: dict | None) -> str:
+    if not progress:
+        return ""
+    parts = []
+    if "done" in progress:
+        parts.append(f"{progress['done']}/{progress.get('total', '?')}"
+                     + (f" ({progress['percent']:.0f}%)" if "percent" in progress else ""))
+    if progress.get("eta_s") is not None and not progress.get("last_event"):
+        parts.append(f"ETA {int(progress['eta_s'])}s")
+    if progress.get("paused"):
+        parts.append(f"PAUSED: {progress['paused']}")
+    if progress.get("message"):
+        parts.append(str(progress["message"])[:80])
+    return ("  " + " · ".join(parts)) if parts else ""
 
 
 def cmd_status(args) -> int:
@@ -308,7 +394,14 @@ def cmd_status(args) -> int:
     print("jobs:" if data["jobs"] else "jobs: none")
     for j in data["jobs"]:
         code = "" if j["exit_code"] is None else f" exit {j['exit_code']}"
-        print(f"  {j['id']:<32} {j['kind']:<10} {j['state']}{code}")
+        print(f"  {j['id']:<32} {j['kind']:<10} {j['state']}{code}{_progress_text(j.get('progress'))}")
+    ev = data["evaluation"]
+    if ev and ev.get("available"):
+        al = ev.get("acceptance_length")
+        print(f"evaluation: acceptance length {'?' if al is None else f'{al:.2f}'} · "
+              f"{'SLOWER: ' if ev['slower'] else ''}{ev['verdict']}")
+    else:
+        print(f"evaluation: none ({ev['reason'] if ev else 'not run'})")
     g = data["gpus"]
     if not g["available"]:
         print(f"gpus: {g['reason']}")
