@@ -90,7 +90,21 @@ def append_line(path: str | os.PathLike, line: str) -> None:
         raise ValueError("append_line takes a single line without newlines")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    data = memoryview((line + "\n").encode("utf-8"))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except BaseException:
+            # A full disk can take part of the line: cut it off, or the next append would
+            # glue onto the fragment and turn a good line into a malformed one.
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)

@@ -55,13 +55,29 @@ def shared_server(tiny_chat_model_dir, tmp_path_factory):
     from engine.server.manager import ServerManager
 
     root = tmp_path_factory.mktemp("fault_server")
-    ws = make_workspace(root / "ws", tiny_chat_model_dir, **{"server.port": free_port()})
+    spool = root / "spool"
+    spool.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(spool)], capture_output=True).returncode == 0
+    ws = make_workspace(root / "ws", tiny_chat_model_dir, **{"server.port": free_port(),
+                                                            "extract.spool_dir": str(spool)})
     manager = ServerManager(ws)
     asyncio.run(manager.start())
     try:
-        yield ws.config.server.port, ws.spool_dir, manager
+        yield SharedServer(ws.config.server.port, spool, manager, mounted)
     finally:
         asyncio.run(manager.stop(grace=5))
+        if mounted:
+            subprocess.run(["umount", "-l", str(spool)], capture_output=True)
+
+
+class SharedServer(tuple):
+    """(port, spool, manager) plus whether the spool is a tmpfs of its own (disk-full tests)."""
+
+    def __new__(cls, port, spool, manager, spool_is_tmpfs):
+        self = super().__new__(cls, (port, spool, manager))
+        self.spool_is_tmpfs = spool_is_tmpfs
+        return self
 
 
 def fault_workspace(root: Path, model_dir: Path, server, n: int, seed: int = 0, **changes):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from pathlib import Path
 
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.optim", "transformers",
@@ -48,6 +49,11 @@ def _run(entry: str, argv: list[str], job_dir: str) -> None:
 
         torch.set_num_threads(1)  # two cores shared by the suite: spinning thread pools only slow it down
         code = importlib.import_module(ENTRIES[entry]).main(argv)
+    except BaseException:  # noqa: BLE001 - a traceback is what a `python -m` job would print
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
     finally:
         os._exit(int(code or 0))
 
