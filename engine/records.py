@@ -17,6 +17,7 @@ Layout of a run directory:
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -95,6 +96,7 @@ def encode_record(input_ids, loss_mask, aux_hidden_state, hidden_state) -> bytes
 def write_record(run_dir: Path, index: int, sample_id: str, input_ids, loss_mask, aux_hidden_state,
                  hidden_state) -> RecordEntry:
     """Write the record atomically and return its manifest entry (not yet appended)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     rel = record_relpath(index, sample_id)
@@ -103,12 +105,25 @@ def write_record(run_dir: Path, index: int, sample_id: str, input_ids, loss_mask
     digest = {}
 
     def write(tmp: str) -> None:
-        save_file(tensors, tmp, metadata=RECORD_METADATA)
+        try:
+            save_file(tensors, tmp, metadata=RECORD_METADATA)
+        except SafetensorError as exc:  # its I/O failures (a full disk) must stay OSErrors for the callers
+            raise _os_error(exc, tmp) from None
         digest["sha256"], digest["bytes"] = _sha256_file(tmp)  # hash what is on disk, before the rename
 
     atomic.write_via_path(path, write)
     return RecordEntry(sample_id, index, rel, int(input_ids.shape[0]), int(loss_mask.sum()), digest["bytes"],
                        digest["sha256"])
+
+
+def _os_error(exc: Exception, path: str) -> OSError:
+    """safetensors' 'I/O error: ... (os error N)' as the OSError it stands for (errno N, else EIO)."""
+    import errno
+    import re
+
+    found = re.search(r"os error (\d+)", str(exc))
+    code = int(found.group(1)) if found else errno.EIO
+    return OSError(code, os.strerror(code), path)
 
 
 def _sha256_file(path: str) -> tuple[str, int]:
