@@ -418,3 +418,17 @@ def main(argv: list[str] | None = None) -> int:
             ctx.event("error", message=str(exc))
         print(f"extraction: error: {exc}", flush=True)
         return 2
+    except OSError as exc:
+        # Mid-run a full disk pauses; one that fills while the job starts or finishes (run.json,
+        # token counts) ends it cleanly: every committed record stays, a restart resumes.
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        message = (f"no space left on the disk of {exc.filename or 'the output'}: free some space (or set "
+                   "extract.output_dir on another disk) and start the extraction again; it resumes")
+        try:
+            if ctx is not None:
+                ctx.event("error", message=message)
+        except OSError:
+            pass
+        print(f"extraction: error: {message}", flush=True)
+        return 2
