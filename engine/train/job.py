@@ -8,6 +8,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.config import ConfigError
     from engine.jobctx import JobContext
+    from engine.train.data import TrainDataError
     from engine.train.loop import Trainer, TrainError, install_stop_handler
     from engine.workspace import Workspace
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             install_stop_handler(trainer)
         return trainer.run()
-    except (ConfigError, TrainError) as exc:
+    except (ConfigError, TrainError, TrainDataError) as exc:  # TrainDataError: a damaged record met mid-run
         if ctx is not None:
             ctx.event("error", message=str(exc))
         print(f"training: error: {exc}", flush=True)
