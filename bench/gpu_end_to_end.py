@@ -1,0 +1,292 @@
+"""End to end on one GPU with a real (home-made) language model, through the product's own jobs.
+
+1. Train a ~90M-parameter Llama on Python's standard library source for a fixed time budget,
+   report its held-out loss, save it as a Hugging Face directory (BPE tokenizer + chat template).
+2. Run the pipeline on it through the local backend on CUDA, exactly as a user would: workspace,
+   server (capture on), capture probe, extraction job, drafter training job, evaluation job.
+   Dataset: held-in files (prompt = first part of a file, response = its continuation);
+   evaluation: held-out files.
+3. Print one table: target loss, capture overhead ratio, extraction tok/s and MB/s, drafter
+   training tok/s, acceptance length and per-position acceptance, decode tok/s with and without
+   speculation, speedup. `eagle3-console status --json` is sampled during the jobs.
+
+    python bench/gpu_end_to_end.py --out /tmp/e2e [--target-seconds 180] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|code|>{% generation %}{{ m['content'] }}<|end|>"
+    "{% endgeneration %}{% else %}<|prompt|>{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|code|>{% endif %}"
+)
+SPECIALS = ["<|pad|>", "<|end|>", "<|prompt|>", "<|code|>"]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stdlib_files(limit_bytes: int) -> tuple[list[str], list[str]]:
+    base = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in base.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts[-2:])
+    texts, total = [], 0
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) < 400:
+            continue
+        texts.append((str(path.relative_to(base)), text))
+        total += len(text)
+        if total > limit_bytes:
+            break
+    held_in, held_out = [], []
+    for name, text in texts:  # split by file name hash: stable, no file on both sides
+        (held_out if int(hashlib.sha1(name.encode()).hexdigest(), 16) % 20 == 0 else held_in).append(text)
+    return held_in, held_out
+
+
+def build_tokenizer(texts: list[str], out: Path, vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>",
+                                   additional_special_tokens=["<|prompt|>", "<|code|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def train_target(tok, held_in: list[str], held_out: list[str], out: Path, seconds: float, quick: bool) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.tensor([t for text in held_in for t in tok(text)["input_ids"] + [tok.eos_token_id]])
+    val = torch.tensor([t for text in held_out for t in tok(text)["input_ids"] + [tok.eos_token_id]])
+    seq, batch = (128, 8) if quick else (512, 64)
+    dims = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
+                num_key_value_heads=2) if quick else dict(hidden_size=768, intermediate_size=2048,
+                                                          num_hidden_layers=12, num_attention_heads=12,
+                                                          num_key_value_heads=4)
+    config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+                         rope_theta=10000.0, **dims)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 if quick else 6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(0)
+    started, step, tokens = time.time(), 0, 0
+    est_steps = None
+    model.train()
+    while time.time() - started < seconds:
+        starts = torch.randint(0, len(ids) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([ids[s:s + seq] for s in starts]).to(device)
+        elapsed = time.time() - started
+        frac = elapsed / seconds
+        lr_scale = min(1.0, step / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        for group in opt.param_groups:
+            group["lr"] = (1e-3 if quick else 6e-4) * lr_scale
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens += x.numel()
+        if step % 200 == 0:
+            log(f"target step {step} loss {loss.item():.3f} ({tokens / (time.time() - started):,.0f} tok/s)")
+    model.eval()
+    losses = []
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        for s in range(0, min(len(val) - seq - 1, seq * 64), seq):
+            x = val[s:s + seq].unsqueeze(0).to(device)
+            losses.append(model(input_ids=x, labels=x).loss.item())
+    model.save_pretrained(out, safe_serialization=True)
+    return {"params": params, "steps": step, "train_tokens": tokens, "train_seconds": round(time.time() - started, 1),
+            "heldout_loss": round(sum(losses) / max(len(losses), 1), 3), "final_train_loss": round(loss.item(), 3)}
+
+
+def write_dataset(tok, texts: list[str], path: Path, n: int, prompt_tokens: int, total_tokens: int, seed: int) -> int:
+    rng = random.Random(seed)
+    rows = 0
+    with open(path, "w") as handle:
+        for text in texts:
+            ids = tok(text)["input_ids"]
+            if len(ids) < prompt_tokens + 32:
+                continue
+            for start in range(0, len(ids) - prompt_tokens - 32, total_tokens * 3):
+                cut = start + rng.randint(prompt_tokens // 2, prompt_tokens)
+                prompt = tok.decode(ids[start:cut])
+                answer = tok.decode(ids[cut:start + total_tokens])
+                handle.write(json.dumps({"messages": [{"role": "user", "content": prompt},
+                                                      {"role": "assistant", "content": answer}]}) + "\n")
+                rows += 1
+                if rows >= n:
+                    return rows
+    return rows
+
+
+def follow(jobs, job_id: str, status_cmd: list[str], out: Path, tag: str) -> list[dict]:
+    samples = 0
+    while True:
+        info = jobs.get(job_id)
+        if samples < 3:
+            proc = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60)
+            (out / f"status_{tag}_{samples}.json").write_text(proc.stdout)
+            samples += 1
+        if info.state not in ("starting", "running"):
+            break
+        time.sleep(2.0)
+    events = jobs.events(job_id, 0)[0]
+    if info.state != "succeeded":
+        raise SystemExit(f"{tag} job {info.state}: " + "\n".join(jobs.tail(job_id, 30)))
+    return events
+
+
+def main() -> int:  # noqa: C901 - one linear benchmark
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="/tmp/e2e")
+    parser.add_argument("--target-seconds", type=float, default=180.0)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--eval-prompts", type=int, default=24)
+    args = parser.parse_args()
+    import torch
+
+    from engine.config import set_value
+    from engine.jobs import JobManager
+    from engine.server.manager import ServerManager
+    from engine.stagejobs import start_evaluate, start_extract, start_train
+    from engine.workspace import init_workspace
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.is_available()
+    results: dict = {"device": torch.cuda.get_device_name(0) if gpu else "cpu"}
+
+    held_in, held_out = stdlib_files(8_000_000 if args.quick else 60_000_000)
+    log(f"corpus: {len(held_in)} held-in files, {len(held_out)} held-out files")
+    model_dir = out / "target"
+    model_dir.mkdir(exist_ok=True)
+    tok = build_tokenizer(held_in[:4000], model_dir, 1024 if args.quick else 8192)
+    log("tokenizer trained")
+    results["target"] = train_target(tok, held_in, held_out, model_dir, args.target_seconds, args.quick)
+    log(f"target: {results['target']}")
+    if gpu:
+        torch.cuda.empty_cache()
+
+    ws_dir = out / "ws"
+    ws = init_workspace(ws_dir)
+    n_train = write_dataset(tok, held_in, ws_dir / "train.jsonl", 200 if args.quick else args.samples, 192, 512, 0)
+    n_eval = write_dataset(tok, held_out, ws_dir / "eval.jsonl", args.eval_prompts, 192, 320, 1)
+    config = ws.config
+    for key, value in {
+        "model.path": str(model_dir), "server.device": "cuda" if gpu else "cpu",
+        "model.dtype": "bfloat16" if gpu else "float32", "server.port": 30123, "dataset.path": "train.jsonl",
+        "dataset.eval_path": "eval.jsonl", "dataset.max_seq_len": 512, "extract.spool_dir": "/dev/shm/e2e-spool",
+        "extract.disk_reserve_gb": 2.0, "extract.concurrency": 16, "train.max_len": 512,
+        "train.draft_vocab_size": 8192, "train.epochs": 2, "train.learning_rate": 3e-4, "train.log_every": 20,
+        "train.save_every": 400, "evaluate.num_prompts": args.eval_prompts, "evaluate.max_new_tokens": 128,
+        "evaluate.spec_steps": 3,
+    }.items():
+        config = set_value(config, key, value)
+    ws.save_config(config)
+    log(f"workspace {ws_dir}: {n_train} train samples, {n_eval} eval prompts")
+    status_cmd = [sys.executable, "-m", "eagle3_console", "status", "--json", "-w", str(ws_dir)]
+
+    manager = ServerManager(ws)
+    asyncio.run(manager.start())
+    from engine.checks.context import CheckContext
+    from engine.pipeline import Pipeline
+
+    pipeline = Pipeline(CheckContext(ws))
+    for stage in ("model", "dataset", "server", "capture", "disk"):
+        report = asyncio.run(pipeline.run_stage(stage))
+        log(f"stage {stage}: {report.state.value}")
+        if report.state.value == "failed":
+            print(json.dumps(report.to_dict(), indent=2))
+            raise SystemExit(1)
+    probe = {r.name: r.evidence for r in pipeline.report("capture").results}
+    results["capture_probe"] = probe.get("argmax")
+    results["server_decode"] = {r.name: r.evidence for r in pipeline.report("server").results}.get("decode")
+
+    # Capture overhead: the same server, prefill-only requests with capture (rid) vs without.
+    sys.path.insert(0, str(ROOT / "bench"))
+    from capture_overhead import bench as overhead_bench
+
+    class A:  # the capture benchmark's knobs
+        concurrency, length, requests, rounds = 8, 512, 64, 4
+    ov = asyncio.run(overhead_bench(manager.record()["url"], ws.spool_dir, A, len(tok)))
+    import statistics
+
+    results["capture_overhead"] = round(statistics.median(ov["on"]) / statistics.median(ov["off"]), 3)
+    log(f"capture overhead ratio {results['capture_overhead']} (on {ov['on']}, off {ov['off']})")
+
+    jobs = JobManager(ws.jobs_dir)
+    job = start_extract(ws, jobs)
+    events = follow(jobs, job.id, status_cmd, out, "extract")
+    progress = [e for e in events if e["type"] == "progress"]
+    finished = [e for e in events if e["type"] == "finished"][0]
+    started_t = [e for e in events if e["type"] == "started"][0]["t"]
+    secs = finished["t"] - started_t
+    results["extraction"] = {"samples": finished["samples"], "tokens": finished["tokens"], "bytes": finished["bytes"],
+                             "seconds": round(secs, 1), "tok_s": round(finished["tokens"] / secs),
+                             "mb_s": round(finished["bytes"] / secs / 1e6, 1),
+                             "peak_tok_s": max((p.get("tokens_per_s") or 0) for p in progress) if progress else None}
+    log(f"extraction {results['extraction']}")
+    asyncio.run(manager.stop(grace=10))  # free the GPU for training and evaluation
+
+    job = start_train(ws, jobs)
+    follow(jobs, job.id, status_cmd, out, "train")
+    metrics = [json.loads(line) for line in (ws.drafter_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_lines = [m for m in metrics if m.get("type", "train") == "train" and "tokens_per_s" in m]
+    evals = [m for m in metrics if m.get("type") == "eval"]
+    results["drafter_training"] = {
+        "steps": train_lines[-1].get("step") if train_lines else None,
+        "tok_s": round(statistics.median([m["tokens_per_s"] for m in train_lines[len(train_lines) // 3:]]))
+        if train_lines else None,
+        "final_eval": {k: v for k, v in (evals[-1] if evals else {}).items() if k in ("loss", "sim_al", "acc", "accept")},
+    }
+    log(f"drafter training {results['drafter_training']}")
+
+    job = start_evaluate(ws, jobs)
+    events = follow(jobs, job.id, status_cmd, out, "evaluate")
+    final = [e for e in events if e["type"] == "finished"][0]
+    report = json.loads((ws.eval_dir / "report.json").read_text())
+    results["evaluation"] = report.get("overall")
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(final.get("table", ""))
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
