@@ -112,6 +112,28 @@ def _supervisor_alive(record: Mapping[str, Any]) -> bool:
     )
 
 
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv for the record: values of secret flags (SGLang's --api-key) replaced by '***'.
+    job.json is read by status tools and other consoles; the key must not be written there."""
+    out: list[str] = []
+    hide = False
+    for arg in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif arg in SECRET_FLAGS:
+            out.append(arg)
+            hide = True
+        elif arg.startswith(tuple(f"{flag}=" for flag in SECRET_FLAGS)):
+            out.append(arg.split("=", 1)[0] + "=***")
+        else:
+            out.append(arg)
+    return out
+
+
 def _check_command(argv: list[str], env: Mapping[str, str]) -> None:
     if not argv or not all(isinstance(a, str) for a in argv):
         raise JobError("a job needs a command: a non-empty list of strings (argv), e.g. [sys.executable, '-m', ...]")
@@ -162,7 +184,7 @@ class JobManager:
         # The record exists before any process does, so a crash here leaves a trace.
         update_record(
             job_dir,
-            id=job_id, kind=kind, argv=argv, cwd=str(work_dir), state="starting",
+            id=job_id, kind=kind, argv=redact_argv(argv), cwd=str(work_dir), state="starting",
             created_at=time.time(), pid=None, create_time=None, exit_code=None,
             started_at=None, ended_at=None, last_log_lines=[],
         )

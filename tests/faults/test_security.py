@@ -142,3 +142,23 @@ def test_no_shell_anywhere_in_the_sources():
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {func.value.id}.{func.attr}")
     assert not offenders, offenders
     ledger.add("security", trials=1, records=len(files))
+
+
+def test_a_job_started_with_an_api_key_on_argv_does_not_record_it(tmp_path):
+    """SGLang takes its key as --api-key on argv: the child gets it, job.json must not."""
+    import sys
+
+    from engine.jobs import JobManager
+
+    jobs = JobManager(tmp_path / "jobs")
+    seen = tmp_path / "seen.json"
+    code = f"import json, sys; json.dump(sys.argv[1:], open({str(seen)!r}, 'w'))"
+    job = jobs.start("server", [sys.executable, "-c", code, "--api-key", KEY, f"--admin-api-key={KEY}"],
+                     cwd=tmp_path)
+    deadline = time.monotonic() + 30
+    while jobs.get(job.id).active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert json.loads(seen.read_text()) == ["--api-key", KEY, f"--admin-api-key={KEY}"]
+    for path in job.dir.iterdir():
+        assert KEY.encode() not in path.read_bytes(), f"{path.name} holds the API key"
+    assert jobs.get(job.id).argv[-3:] == ("--api-key", "***", "--admin-api-key=***")
