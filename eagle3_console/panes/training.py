@@ -24,7 +24,6 @@ from textual.app import ComposeResult
 from textual.color import Color
 from textual.containers import Horizontal
 from textual.widgets import Static
-from textual_plotext import PlotextPlot
 
 from eagle3_console.fmt import fmt_count, fmt_duration, fmt_num
 from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetricsRead
@@ -186,9 +185,9 @@ class TrainingPane(Pane):
     TrainingPane #training-state { height: auto; }
     TrainingPane #training-figures { height: auto; }
     TrainingPane #training-plots { height: 1fr; min-height: 6; }
-    TrainingPane #training-plots PlotextPlot { width: 1fr; height: 1fr; display: none; }
-    TrainingPane #training-plots PlotextPlot.-shown { display: block; }
-    TrainingPane.-all-curves #training-plots PlotextPlot { display: block; }
+    TrainingPane #training-plots .curve { width: 1fr; height: 1fr; display: none; }
+    TrainingPane #training-plots .curve.-shown { display: block; }
+    TrainingPane.-all-curves #training-plots .curve { display: block; }
     """
 
     def __init__(self, drafter_dir: Path | str | None = None, poll_s: float = 1.0, **kwargs) -> None:
@@ -203,6 +202,7 @@ class TrainingPane(Pane):
         self.job_state = ""
         self.job_note = ""
         self.curve = "loss"
+        self._plots_mounted = False
         self._read_lock = threading.Lock()  # one read at a time: the offset must not be shared
 
     def compose(self) -> ComposeResult:
@@ -212,9 +212,9 @@ class TrainingPane(Pane):
             id="training-state",
         )
         yield Static("", id="training-figures")
-        with Horizontal(id="training-plots"):
-            for name in CURVES:
-                yield PlotextPlot(id=f"plot-{name}", classes="-shown" if name == self.curve else "")
+        # The plots (plotext) are mounted with the first metrics: importing plotext costs ~70 ms
+        # of start-up, and most consoles open before training has begun.
+        yield Horizontal(id="training-plots")
 
     def on_mount(self) -> None:
         self.query_one("#training-plots").display = False
@@ -288,7 +288,8 @@ class TrainingPane(Pane):
     def cycle_curve(self) -> None:
         self.curve = CURVES[(CURVES.index(self.curve) + 1) % len(CURVES)]
         for name in CURVES:
-            self.query_one(f"#plot-{name}").set_class(name == self.curve, "-shown")
+            for plot in self.query(f"#plot-{name}"):
+                plot.set_class(name == self.curve, "-shown")
         self._render_plots()
 
     def plot_data(self, name: str) -> dict[str, tuple[list[float], list[float]]]:
@@ -312,6 +313,8 @@ class TrainingPane(Pane):
         state = self.query_one("#training-state", Static)
         has_data = v.step is not None
         self.query_one("#training-plots").display = has_data
+        if has_data and not self._plots_mounted:
+            self._mount_plots()
         job = ""
         if self.job_id:
             colour = {"running": "$success", "starting": "$warning", "succeeded": "$success",
@@ -348,13 +351,22 @@ class TrainingPane(Pane):
         lines.append(" · ".join(p for p in (best, ckpt) if p))
         return lines
 
+    def _mount_plots(self) -> None:
+        from textual_plotext import PlotextPlot
+
+        self._plots_mounted = True
+        plots = [PlotextPlot(id=f"plot-{name}", classes="curve" + (" -shown" if name == self.curve else ""))
+                 for name in CURVES]
+        self.query_one("#training-plots").mount_all(plots)
+        self.call_after_refresh(self._render_plots)
+
     def _render_plots(self) -> None:
-        if self.view.step is None:
+        if self.view.step is None or not self._plots_mounted or not self.query("#plot-loss"):
             return
         palette = self._palette()
         wide = self.has_class("-all-curves")
         for name in CURVES:
-            widget = self.query_one(f"#plot-{name}", PlotextPlot)
+            widget = self.query_one(f"#plot-{name}")
             if not wide and name != self.curve:
                 continue
             plt = widget.plt
