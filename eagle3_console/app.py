@@ -210,7 +210,7 @@ class ConsoleApp(JobActions, App[int]):
         elif isinstance(event, ServerUpdated):
             self.query_one(ServerPane).post_message(ServerChanged(event.status))
         elif isinstance(event, JobEvents):
-            pane = {"extract": ExtractionPane, "train": TrainingPane}.get(event.kind)
+            pane = {"extract": ExtractionPane, "train": TrainingPane, "evaluate": EvaluationPane}.get(event.kind)
             if pane is not None:
                 self.query_one(pane).post_message(JobEventsArrived(event.job_id, event.kind, event.events))
             if event.kind == "evaluate" and any(e.get("type") in ("finished", "error") for e in event.events):
@@ -222,7 +222,7 @@ class ConsoleApp(JobActions, App[int]):
     def on_jobs_changed(self, message: JobsChanged) -> None:
         running = sum(1 for job in message.jobs if job.state in ("starting", "running"))
         self.query_one(ConsoleHeader).set_running_jobs(running)
-        for pane in (ExtractionPane, TrainingPane):
+        for pane in (ExtractionPane, TrainingPane, EvaluationPane):
             self.query_one(pane).post_message(JobsChanged(message.jobs))
         evaluate = next((j for j in message.jobs if j.kind == "evaluate"), None)
         seen = (evaluate.id, evaluate.state) if evaluate else None

@@ -346,3 +346,46 @@ async def test_unknown_configured_theme_falls_back_without_overwriting(tmp_path)
         assert app.theme == "eagle3-dark"
         await app.workers.wait_for_complete()
     assert load_config(ws.root).ui.theme == "no-such-theme"
+
+
+async def test_eight_gpus_fit_at_80x24_with_trends_and_nccl(ws):
+    """A hand-built 8-GPU snapshot (fake: no NVML here) through the real engine event path."""
+    from engine.events import GpuUpdated
+    from tests.test_console_scenes import gpu_snapshot
+
+    engine = Engine(ws)
+    app = ConsoleApp(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        engine.gpu_sampler.close()
+        for task in engine._tasks:  # the real sampler would replace the fixed snapshots
+            if task.get_name() == "gpu-sampler":
+                task.cancel()
+        for step in range(5):
+            engine._emit(GpuUpdated(gpu_snapshot(step=step)))
+        await pilot.press("1")
+        await pilot.pause(0.2)
+        lines = screen_lines(app)
+        rows = [line for line in lines if re.match(r"^│\s+\d H200 ", line)]
+        assert len(rows) == 8, "\n".join(lines)
+        for row in rows:
+            assert re.search(r"\d+%", row) and "/141G" in row and "°C" in row and "W " in row and "MHz" in row
+            assert re.search(r"[▁▂▃▄▅▆▇█]{5} +│$", row), row  # the trend: five samples so far
+        text = "\n".join(lines)
+        assert "interconnect NVLink (18 links/GPU)" in text and "NCCL_NVLS_ENABLE=0" in text
+        assert all(len(line.rstrip()) <= 80 for line in lines)
+
+
+async def test_pipeline_j_starts_only_stages_with_a_job(ws):
+    app = ConsoleApp(Engine(ws))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        app.query_one(PipelinePane).select_stage("model")
+        await pilot.press("j")
+        await pilot.pause()
+        assert any("stage 'model' has no job: Enter runs its checks" in n.message for n in app._notifications)
+        assert "j Start job" in screen_lines(app)[-1]
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for wanted in ("Start the selected stage's job", "Start the extract job", "Start the evaluate job",
+                       "Show Evaluation", "Reload evaluation report"):
+            assert wanted in titles

@@ -21,6 +21,7 @@ from textual.containers import ScrollableContainer
 from textual.message import Message
 from textual.widgets import Static
 
+from eagle3_console.messages import JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from engine.evaluate.report import (
     ReportError,
@@ -83,6 +84,7 @@ class EvaluationPane(Pane):
     EvaluationPane #evaluation-header { height: auto; color: $text-muted; }
     EvaluationPane #evaluation-table { height: auto; margin: 1 0 0 0; }
     EvaluationPane #evaluation-positions { height: auto; margin: 1 0 0 0; color: $accent; }
+    EvaluationPane #evaluation-job { height: auto; }
     EvaluationPane #evaluation-verdict { height: auto; text-style: bold; color: $success; }
     EvaluationPane #evaluation-verdict.-slower { color: $error; }
     EvaluationPane #evaluation-notes { height: auto; color: $text-muted; }
@@ -95,9 +97,13 @@ class EvaluationPane(Pane):
         self.eval_dir = Path(eval_dir) if eval_dir else None
         self.problem = ""  # why no report is shown ("" when one is, or none was looked for)
         self._read_lock = threading.Lock()
+        self.job_id = ""
+        self.job_state = ""
+        self.job_progress = ""  # "3/8 prompts · acceptance length 2.1" while an evaluate job runs
 
     def compose(self) -> ComposeResult:
         # The verdict goes first: at 80x24 it is the line that matters, the table scrolls.
+        yield Static("", id="evaluation-job")
         yield Static("", id="evaluation-verdict", markup=False)
         yield Static("", id="evaluation-header", markup=False)
         with ScrollableContainer(id="evaluation-scroll"):  # a table wider than the pane scrolls sideways
@@ -107,6 +113,7 @@ class EvaluationPane(Pane):
 
     def on_mount(self) -> None:
         self._render_report(self._report)
+        self._render_job()
         if self.eval_dir is not None and self._report is None:
             self.reload()
 
@@ -131,6 +138,45 @@ class EvaluationPane(Pane):
             self._read_lock.release()
         self.post_message(EvaluationReportRead(report, problem))
 
+    # -- the evaluate job (from the app's job list and the job's own events)
+    @property
+    def running_job_id(self) -> str | None:
+        return self.job_id if self.job_id and self.job_state in ("starting", "running") else None
+
+    def on_jobs_changed(self, message: JobsChanged) -> None:
+        newest = next((j for j in message.jobs if j.kind == "evaluate"), None)
+        if newest is not None and (newest.id, newest.state) != (self.job_id, self.job_state):
+            if newest.id != self.job_id:
+                self.job_progress = ""
+            self.job_id, self.job_state = newest.id, newest.state
+            self._render_job()
+
+    def on_job_events_arrived(self, message: JobEventsArrived) -> None:
+        if message.kind != "evaluate":
+            return
+        for event in message.events:
+            if event.get("type") == "progress":
+                al = event.get("acceptance_length")
+                self.job_progress = (f"{event.get('done', '?')}/{event.get('total', '?')} prompts"
+                                     + (f" · acceptance length so far {al:.2f}" if isinstance(al, (int, float)) else ""))
+            elif event.get("type") == "error":
+                self.job_progress = f"error: {event.get('message', '')}"
+        self._render_job()
+
+    def _render_job(self) -> None:
+        widget = self.query_one("#evaluation-job", Static)
+        if not self.job_id or (self.job_state == "succeeded" and self._report):
+            widget.display = False
+            return
+        colour = {"running": "$success", "starting": "$warning", "failed": "$error"}.get(self.job_state, "$text-muted")
+        from eagle3_console.render import esc
+
+        text = f"[{colour}]● [b]{esc(self.job_state)}[/b][/] · job {esc(self.job_id)}"
+        if self.job_progress:
+            text += f" · {esc(self.job_progress)}"
+        widget.display = True
+        widget.update(text)
+
     def on_resize(self) -> None:
         if self._report:
             self._render_report(self._report)
@@ -138,6 +184,7 @@ class EvaluationPane(Pane):
     def on_evaluation_report_read(self, message: EvaluationReportRead) -> None:
         self.problem = message.problem
         self.show_report(message.report)
+        self._render_job()
 
     def show_report(self, report: dict[str, Any] | None) -> None:
         """Render `report` (engine.evaluate.report.read_report's dict); None shows the empty state."""
