@@ -51,7 +51,7 @@ def demo_ws(demo_template, tmp_path) -> Workspace:
     (root / "data" / "train_ci.jsonl").write_text("".join(data[:TRAIN_SAMPLES]))
     config = ws.config
     for key, value in {"dataset.path": "data/train_ci.jsonl", "train.epochs": 2, "server.port": free_port(),
-                       "evaluate.num_prompts": 6, "evaluate.max_new_tokens": 48, "evaluate.spec_steps": 2}.items():
+                       "evaluate.num_prompts": 6, "evaluate.max_new_tokens": 64, "evaluate.spec_steps": 4}.items():
         config = set_value(config, key, value)
     ws.save_config(config)
     return Workspace(root)
