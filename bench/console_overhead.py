@@ -171,7 +171,7 @@ def main() -> int:
                 raise SystemExit(f"the console showed no full frame in 30 s; output tail: {console.output[-500:]!r}")
             if argv is not None and have_nvml:
                 nvitop = PtyProcess(argv, {**base_env, **extra_env})
-                if nvitop.wait_for((b"NVITOP", ), timeout=30) is None and nvitop.proc.poll() is not None:
+                if nvitop.wait_for((b"NVITOP",), timeout=10) is None and nvitop.proc.poll() is not None:
                     result["nvitop"] = {"available": False, "reason": f"nvitop exited: {nvitop.output[-300:]!r}"}
                     nvitop.close()
                     nvitop = None
