@@ -45,7 +45,7 @@ def log(msg: str) -> None:
 
 def stdlib_files(limit_bytes: int) -> tuple[list[str], list[str]]:
     base = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in base.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts[-2:])
+    files = sorted(p for p in base.rglob("*.py") if "site-packages" not in p.parts)
     texts, total = [], 0
     for path in files:
         try:
@@ -175,7 +175,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     parser.add_argument("--out", default="/tmp/e2e")
     parser.add_argument("--target-seconds", type=float, default=180.0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
-    parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--samples", type=int, default=1500)
     parser.add_argument("--eval-prompts", type=int, default=24)
     args = parser.parse_args()
     import torch
@@ -212,7 +212,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
         "model.dtype": "bfloat16" if gpu else "float32", "server.port": 30123, "dataset.path": "train.jsonl",
         "dataset.eval_path": "eval.jsonl", "dataset.max_seq_len": 512, "extract.spool_dir": "/dev/shm/e2e-spool",
         "extract.disk_reserve_gb": 2.0, "extract.concurrency": 16, "train.max_len": 512,
-        "train.draft_vocab_size": 8192, "train.epochs": 2, "train.learning_rate": 3e-4, "train.log_every": 20,
+        "train.draft_vocab_size": 8192, "train.epochs": 1, "train.learning_rate": 3e-4, "train.log_every": 20,
         "train.save_every": 400, "evaluate.num_prompts": args.eval_prompts, "evaluate.max_new_tokens": 128,
         "evaluate.spec_steps": 3,
     }.items():

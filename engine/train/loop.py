@@ -62,7 +62,9 @@ class Trainer:
         if device is None:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.backend = backend or ("flex" if self.device.type == "cuda" else "sdpa")
+        # flex_attention recompiles for every new sequence length; real datasets have many
+        # lengths, so SDPA (no compilation) is the default. EAGLE3_TRAIN_ATTENTION=flex opts in.
+        self.backend = backend or os.environ.get("EAGLE3_TRAIN_ATTENTION", "sdpa")
         self.out_dir: Path = workspace.drafter_dir
 
     # ------------------------------------------------------------------ reporting
