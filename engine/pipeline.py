@@ -34,22 +34,28 @@ def _stages() -> list[Stage]:
     from engine.checks.disk import check_disk
     from engine.checks.gpus import check_gpus
     from engine.checks.capture import check_capture
+    from engine.checks.dataset import check_dataset
+    from engine.checks.evaluate import check_evaluate
     from engine.checks.extract import check_extract
     from engine.checks.model import check_model
     from engine.checks.server import check_server
+    from engine.checks.train import check_train
 
     return [
         Stage("gpus", "GPUs & NCCL", "NVML, GPUs visible, compute capability, free memory, NCCL preset", check_gpus),
         Stage("model", "Target model", "config.json, shapes, capture layers, tokenizer + chat template", check_model),
-        Stage("dataset", "Dataset", "parse, token lengths, truncation, assistant tokens", __import__("engine.checks.dataset", fromlist=["check_dataset"]).check_dataset, has_job=True),
+        Stage("dataset", "Dataset", "parse, token lengths, truncation, assistant tokens", check_dataset,
+              has_job=True),
         Stage("server", "Server", "process up, health, capture-safe flags, decode tok/s", check_server,
               has_job=True),
         Stage("capture", "Capture probe", "tokens sent = captured, 0 cached, shapes, finite, argmax", check_capture),
         Stage("disk", "Disk", "output dirs writable, bytes needed fit under free minus reserve", check_disk),
         Stage("extract", "Extraction", "manifest covers every sample and verifies", check_extract,
               has_job=True),
-        Stage("train", "Training", "export loads with SGLang's expected weights", __import__("engine.checks.train", fromlist=["check_train"]).check_train, has_job=True),
-        Stage("evaluate", "Evaluation", "acceptance length and speedup measured", __import__("engine.checks.evaluate", fromlist=["check_evaluate"]).check_evaluate, has_job=True),
+        Stage("train", "Training", "export loads with SGLang's expected weights", check_train,
+              has_job=True),
+        Stage("evaluate", "Evaluation", "acceptance length and speedup measured", check_evaluate,
+              has_job=True),
     ]
 
 
