@@ -66,7 +66,8 @@ def disk_gauge(usage, width: int, projected_used: int | None = None) -> list[str
         f" · reserve {fmt_bytes(usage.reserve)}{flag}",
     ]
     if projected_used is not None:
-        free_after = usage.total - projected_used
+        # From free space, not total - used: filesystems keep blocks back (root reserve, overlays).
+        free_after = usage.free - max(0, projected_used - usage.used)
         ok = free_after >= usage.reserve
         verdict = "[$success]clear of the reserve[/]" if ok else "[$error]INSIDE the reserve: extraction will pause[/]"
         lines.append(f"at completion ▓ used {fmt_bytes(projected_used)}, free {fmt_bytes(max(0, free_after))} · {verdict}")
