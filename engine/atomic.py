@@ -26,27 +26,6 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_with(path: str | os.PathLike, writer: Callable[[IO[bytes]], None], mode: int = 0o644) -> None:
-    """Write `path` atomically; `writer` receives a binary file object."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            writer(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
 def write_via_path(path: str | os.PathLike, writer: Callable[[str], None], mode: int = 0o644) -> None:
     """Atomic write for libraries that want a file *name* (safetensors' save_file writes
     straight from tensor memory, ~10x faster than building bytes in Python first)."""
@@ -70,6 +49,16 @@ def write_via_path(path: str | os.PathLike, writer: Callable[[str], None], mode:
             pass
         raise
     _fsync_dir(path.parent)
+
+
+def write_with(path: str | os.PathLike, writer: Callable[[IO[bytes]], None], mode: int = 0o644) -> None:
+    """Write `path` atomically; `writer` receives a binary file object."""
+
+    def through_handle(tmp: str) -> None:
+        with open(tmp, "wb") as handle:
+            writer(handle)
+
+    write_via_path(path, through_handle, mode)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:

@@ -136,3 +136,23 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
             handle.write(json.dumps({"id": f"c{i:03d}", "messages": [
                 {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
     return path
+
+
+def wait_healthy(proc, url: str, log: Path, timeout: float = 40.0) -> None:
+    """Wait for a started server process to answer /health; fail with its log if it dies or stalls."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}: {log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"server not healthy within {timeout:.0f} s: {log.read_text()}")
+        time.sleep(0.2)

@@ -7,6 +7,8 @@ target server process on 127.0.0.1 and a real detached job that is killed and re
 
 from __future__ import annotations
 
+from conftest import wait_healthy
+
 import json
 import os
 import shutil
@@ -305,18 +307,7 @@ def server_url(gen_model: Path, tmp_path_factory):
         proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 40
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}: {log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy within 40 s: {log.read_text()}")
-            time.sleep(0.2)
+        wait_healthy(proc, url, log)
         yield url
     finally:
         proc.terminate()

@@ -6,6 +6,8 @@ loaded in-process as the reference for tokens and hidden states.
 
 from __future__ import annotations
 
+from conftest import wait_healthy
+
 import asyncio
 import http.server
 import socket
@@ -66,18 +68,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log_handle, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 40
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}: {log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy within 40 s: {log.read_text()}")
-            time.sleep(0.2)
+        wait_healthy(proc, url, log)
         yield RunningServer(proc, url, spool, log)
     finally:
         proc.terminate()

@@ -4,9 +4,7 @@ crash detection and restart, fail-fast start errors, stop leaving nothing behind
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import shutil
 import signal
 import socket
 import time
@@ -14,46 +12,18 @@ import time
 import psutil
 import pytest
 
+from conftest import make_workspace
 from engine.checks.context import CheckContext
-from engine.config import set_value
 from engine.pipeline import Pipeline
 from engine.server.manager import ServerManager, ServerStartError
-from engine.workspace import init_workspace
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}"
-    "{{ m['content'] }}</s>{% endgeneration %}{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
-def chat_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model plus a chat template (the server and probe render prompts with it)."""
-    target = tmp_path_factory.mktemp("chat_model") / "m"
-    shutil.copytree(tiny_model_dir, target)
-    cfg_path = target / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return target
+def chat_model_dir(tiny_chat_model_dir):
+    return tiny_chat_model_dir
 
 
 def make_ws(tmp_path, model_dir, **changes):
-    ws = init_workspace(tmp_path / "ws")
-    config = ws.config
-    for key, value in {"model.path": str(model_dir), "server.port": free_port(), "server.device": "cpu",
-                       "server.startup_timeout_s": 60.0, "extract.spool_dir": str(tmp_path / "spool"),
-                       **changes}.items():
-        config = set_value(config, key, value)
-    ws.save_config(config)
-    return ws
+    return make_workspace(tmp_path / "ws", model_dir, **changes)
 
 
 @pytest.fixture(scope="module")
