@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-capture", action="store_true", help="start without hidden-state capture")
     p.add_argument("-n", "--lines", type=int, default=50, help="log lines to show")
     p.add_argument("--json", action="store_true")
+    _add_data_parser(sub)
     return parser
 
 
@@ -502,7 +503,116 @@ def _print_server(status) -> None:
             print(f"  | {line}")
 
 
-COMMANDS = {"init": cmd_init, "check": cmd_check, "run": cmd_run, "status": cmd_status, "server": cmd_server}
+# ----------------------------------------------------------------------------- data: extraction runs
+
+
+def _add_data_parser(sub) -> None:
+    # -w on the leaf parsers defaults to SUPPRESS so `eagle3-console -w DIR data list` keeps DIR.
+    leaf = argparse.ArgumentParser(add_help=False)
+    leaf.add_argument("-w", "--workspace", metavar="DIR", default=argparse.SUPPRESS,
+                      help="workspace directory (default: ./ or ./eagle3-workspace)")
+    p = sub.add_parser("data", help="list extraction runs, or release (delete) an old one", parents=[leaf])
+    actions = p.add_subparsers(dest="data_action", metavar="ACTION")
+    actions.required = True
+    q = actions.add_parser("list", help="runs under extract.output_dir: records, size, state", parents=[leaf])
+    q.add_argument("--verify", action="store_true", help="re-hash every record of finished runs (slow for big runs)")
+    q.add_argument("--json", action="store_true")
+    q = actions.add_parser("release", help="delete an old run after showing what it frees (asks first)",
+                           parents=[leaf])
+    q.add_argument("run", metavar="RUN")
+    q.add_argument("--confirm", "--yes-i-typed", dest="confirm", metavar="RUN",
+                   help="scripts: confirm by giving the run name again (deletes even without a newer run)")
+    q.add_argument("--yes", action="store_true",
+                   help="scripts: delete without asking when a newer run is verified complete")
+
+
+def cmd_data(args) -> int:
+    from engine.release import ReleaseError
+
+    ws = _open_workspace(args)
+    try:
+        return _data_list(ws, args) if args.data_action == "list" else _data_release(ws, args)
+    except ReleaseError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"{exc.filename or 'the run'}: {exc.strerror or exc}; nothing more was deleted")
+
+
+def _data_list(ws, args) -> int:
+    import time
+
+    from engine.disk import fmt_bytes
+    from engine.release import list_runs, output_dir_of
+
+    runs = list_runs(ws, verify=args.verify)
+    if args.json:
+        print(json.dumps({"output_dir": str(output_dir_of(ws)), "configured": ws.config.extract.run,
+                          "runs": [r.to_dict() for r in runs]}, indent=2))
+        return 0
+    print(f"runs in {output_dir_of(ws)} (extract.run = {ws.config.extract.run}):")
+    if not runs:
+        print("  none")
+    for r in runs:
+        mark = "*" if r.name == ws.config.extract.run else " "
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.since)) if r.since else "?"
+        print(f"{mark} {r.name:<24} {r.state:<10} {r.records:>8} records {fmt_bytes(r.bytes):>10}  {when}")
+        for problem in r.problems[:3]:
+            print(f"      ! {problem}")
+    if runs and not args.verify:
+        print("(complete = finished; add --verify to re-hash the records and show 'verified')")
+    return 0
+
+
+def _ask(prompt: str) -> str | None:
+    try:
+        return input(prompt).strip()
+    except EOFError:  # stdin closed or empty: no answer, which keeps the run
+        print(flush=True)
+        return None
+
+
+def _data_release(ws, args) -> int:
+    from engine.disk import fmt_bytes
+    from engine.release import RELEASING, describe_run, in_use_reason, newer_verified_run, output_dir_of, release_run
+
+    name = args.run
+    info = describe_run(output_dir_of(ws), name)
+    print(f"run {info.name}: {info.path}")
+    print(f"  {info.records} records, {info.state}; releasing it frees {fmt_bytes(info.bytes)}")
+    reason = in_use_reason(ws, name)
+    if reason:
+        return _fail(f"not released: {reason}")
+    if args.confirm is not None and args.confirm != name:
+        return _fail(f"--confirm {args.confirm!r} does not match the run name {name!r}: nothing released")
+    newer = None
+    if RELEASING.match(name) is None:
+        print("  checking for a newer verified-complete run (re-hashing its records)…", flush=True)
+        newer = newer_verified_run(ws, name)
+        print(f"  newer verified run: {newer.name} ({newer.records} records)" if newer
+              else "  newer verified run: none")
+    confirmed, newer_ok = None, False
+    if args.confirm is not None:
+        confirmed = name
+    elif newer is not None and args.yes:
+        newer_ok = True
+    elif newer is not None and sys.stdin.isatty():
+        newer_ok = (_ask(f"Delete run {name} and free {fmt_bytes(info.bytes)}? [y/N] ") or "").lower() in ("y", "yes")
+    else:
+        typed = _ask(f"Type the run name ({name}) to delete it, anything else keeps it: ")
+        confirmed = name if typed == name else None
+    if confirmed is None and not newer_ok:
+        hint = ("answer y, or pass --yes in scripts (a newer run is verified)" if newer
+                else f"type the run name, or pass --confirm {name} in scripts")
+        print(f"not released: nothing deleted ({fmt_bytes(info.bytes)} would be freed); to release it, {hint}",
+              file=sys.stderr)
+        return 1
+    freed = release_run(ws, name, confirmed_name=confirmed, newer_ok=newer_ok)
+    print(f"released {name}: freed {fmt_bytes(freed)}")
+    return 0
+
+
+COMMANDS = {"init": cmd_init, "check": cmd_check, "run": cmd_run, "status": cmd_status, "server": cmd_server,
+            "data": cmd_data}
 
 
 def main(argv: list[str] | None = None) -> int:
