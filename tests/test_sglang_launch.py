@@ -63,9 +63,16 @@ def _pip(*args: str, timeout: float = 600) -> None:
 
 
 @pytest.fixture(scope="session")
-def sglang_cache(request) -> Path:
+def sglang_cache(request, tmp_path_factory) -> Path:
+    """Where the SGLang wheel and its parser's packages are kept: $EAGLE3_SGLANG_CACHE, pytest's
+    cache (kept between runs), or a temporary folder when the cache plugin is off (CI)."""
     explicit = os.environ.get("EAGLE3_SGLANG_CACHE")
-    return Path(explicit) if explicit else Path(request.config.cache.mkdir(f"sglang-{VERSION}"))
+    if explicit:
+        return Path(explicit)
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        return Path(cache.mkdir(f"sglang-{VERSION}"))
+    return tmp_path_factory.mktemp(f"sglang-{VERSION}")
 
 
 @pytest.fixture(scope="session")
