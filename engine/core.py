@@ -39,7 +39,6 @@ class ReadOnlyError(Exception):
 class Engine:
     def __init__(self, workspace: Workspace, *, drive: bool = True, gpu_sampler=None):
         from engine.disk import DiskSampler
-        from engine.gpu import GpuSampler
         from engine.jobs import JobManager
 
         self.workspace = workspace
@@ -51,16 +50,13 @@ class Engine:
                 self.read_only = False
             else:
                 self.lock_holder = workspace.lock.holder()
-        self.gpu_sampler = gpu_sampler or GpuSampler(
-            fast_interval=self.config.gpu.sample_interval_s,
-            slow_interval=self.config.gpu.slow_sample_interval_s,
-        )
+        # The GPU sampler (pynvml) and the server manager (its launch specs) are made on first
+        # use: the console paints its first frame before the pollers need them.
+        self._gpu_sampler = gpu_sampler
+        self._server = None
         self.disk_sampler = DiskSampler(workspace.written_paths(), workspace.reserves(), interval=5.0)
         self.jobs = JobManager(workspace.jobs_dir)
         self.pipeline = Pipeline(CheckContext(workspace, gpu_snapshot=self.latest_gpu), persist=not self.read_only)
-        from engine.server.manager import ServerManager
-
-        self.server = ServerManager(workspace, self.jobs)
         self.server_status = None
         self.gpu_snapshot = None
         self.disk_usages: tuple = ()
@@ -68,6 +64,33 @@ class Engine:
         self.job_list: tuple = ()
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
+
+    @property
+    def gpu_sampler(self):
+        if self._gpu_sampler is None:
+            from engine.gpu import GpuSampler
+
+            self._gpu_sampler = GpuSampler(
+                fast_interval=self.config.gpu.sample_interval_s,
+                slow_interval=self.config.gpu.slow_sample_interval_s,
+            )
+        return self._gpu_sampler
+
+    @gpu_sampler.setter
+    def gpu_sampler(self, sampler) -> None:
+        self._gpu_sampler = sampler
+
+    @property
+    def server(self):
+        if self._server is None:
+            from engine.server.manager import ServerManager
+
+            self._server = ServerManager(self.workspace, self.jobs)
+        return self._server
+
+    @server.setter
+    def server(self, manager) -> None:
+        self._server = manager
 
     # -- listeners
     def subscribe(self, listener: Listener) -> Callable[[], None]:
@@ -99,9 +122,15 @@ class Engine:
         self._emit(DiskUpdated(usages=self.disk_usages))
 
     async def _watch_jobs(self, interval: float = 1.0) -> None:
+        """List jobs and read new events every `interval` s; publish only what changed.
+
+        One trip to a worker thread per tick does both (a thread hop costs more than the reads
+        when nothing changed), and JobsUpdated is sent on the first tick and on changes only.
+        """
         previous: dict[str, str] = {}
+        first = True
         while True:
-            jobs = tuple(await asyncio.to_thread(self.jobs.list))
+            jobs, new_events = await asyncio.to_thread(self._scan_jobs)
             states = {j.id: j.state for j in jobs}
             if states != previous or not self.job_list:
                 for job in jobs:
@@ -110,25 +139,41 @@ class Engine:
                         level = "information" if job.state == "succeeded" else "warning"
                         self.notify(level, f"job {job.id} {job.state}")
                 previous = states
+            changed = first or jobs != self.job_list
             self.job_list = jobs
-            self._emit(JobsUpdated(jobs=jobs))
-            await self._read_job_events(jobs)
+            first = False
+            if changed:
+                self._emit(JobsUpdated(jobs=jobs))
+            self._publish_job_events(new_events)
             await asyncio.sleep(interval)
 
-    async def _read_job_events(self, jobs) -> None:
-        """Stream new events of the newest job of each kind (history first, then increments)."""
+    def _scan_jobs(self) -> tuple[tuple, list]:
+        """(all jobs newest first, [(job, offset before, new events)]): runs in a worker thread.
+
+        Events are streamed for the newest job of each kind (history first, then increments).
+        """
+        jobs = tuple(self.jobs.list())
         newest: dict[str, object] = {}
         for job in jobs:  # newest first
             newest.setdefault(job.kind, job)
+        found = []
         for job in newest.values():
             offset = self._event_offsets.get(job.id, 0)
-            events, new_offset = await asyncio.to_thread(self.jobs.events, job.id, offset)
+            try:
+                events, new_offset = self.jobs.events(job.id, offset)
+            except LookupError:  # removed between the listing and now
+                continue
             self._event_offsets[job.id] = new_offset
             if events:
-                self._emit(JobEvents(job_id=job.id, kind=job.kind, events=tuple(events)))
-                for event in events:
-                    if event.get("type") == "paused" and offset:
-                        self.notify("warning", f"{job.kind} paused: {event.get('reason', '')}")
+                found.append((job, offset, events))
+        return jobs, found
+
+    def _publish_job_events(self, found: list) -> None:
+        for job, offset, events in found:
+            self._emit(JobEvents(job_id=job.id, kind=job.kind, events=tuple(events)))
+            for event in events:
+                if event.get("type") == "paused" and offset:
+                    self.notify("warning", f"{job.kind} paused: {event.get('reason', '')}")
 
     def _on_server(self, status) -> None:
         previous = self.server_status
@@ -150,9 +195,12 @@ class Engine:
 
     async def _watch_server(self) -> None:
         if self.read_only:  # an attached console watches but never restarts
-            while True:
-                self._on_server(await self.server.poll())
-                await asyncio.sleep(self.config.ui.refresh_s)
+            try:
+                while True:
+                    self._on_server(await self.server.poll(reuse_client=True))
+                    await asyncio.sleep(self.config.ui.refresh_s)
+            finally:
+                await self.server.close_poll_client()
         await self.server.watch(self._on_server, interval=self.config.ui.refresh_s)
 
     async def close(self) -> None:
@@ -165,7 +213,8 @@ class Engine:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
-        self.gpu_sampler.close()
+        if self._gpu_sampler is not None:
+            self._gpu_sampler.close()
         self.workspace.lock.release()
 
     # -- commands

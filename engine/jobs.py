@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any, Generator, Mapping
 
 from engine.atomic import write_text
@@ -150,6 +151,8 @@ class JobManager:
         self.jobs_dir = Path(jobs_dir).absolute()
         # Supervisors this manager spawned, kept so they are reaped (no zombies) when they end.
         self._spawned: dict[str, subprocess.Popen[bytes]] = {}
+        # list(): finished jobs by folder name -> (job.json identity, JobInfo), to skip re-reading them.
+        self._finished_cache: dict[str, tuple[tuple[int, int, int], JobInfo]] = {}
 
     # ---- starting -------------------------------------------------------------------
 
@@ -259,17 +262,37 @@ class JobManager:
         return JobInfo.from_record(info.dir, record)
 
     def list(self) -> list[JobInfo]:
-        """All jobs, newest first. Folders without a readable record are skipped."""
+        """All jobs, newest first. Folders without a readable record are skipped.
+
+        A finished job whose job.json is unchanged (same inode, size and mtime) is not read
+        again: the console lists every second, and finished jobs pile up. Active jobs are
+        always re-read and checked against their processes.
+        """
         infos: list[JobInfo] = []
         if not self.jobs_dir.is_dir():
             return infos
+        cache: dict[str, tuple[tuple[int, int, int], JobInfo]] = {}
         for job_dir in self.jobs_dir.iterdir():
-            if not (job_dir / RECORD_FILE).is_file():
-                continue
             try:
-                infos.append(self.refresh(JobInfo.from_record(job_dir, read_record(job_dir))))
-            except JobRecordError:
+                stat = os.stat(job_dir / RECORD_FILE)
+            except OSError:
                 continue
+            if not S_ISREG(stat.st_mode):
+                continue
+            key = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            cached = self._finished_cache.get(job_dir.name)
+            if cached is not None and cached[0] == key:
+                self._reap(cached[1].id)
+                info = cached[1]
+            else:
+                try:
+                    info = self.refresh(JobInfo.from_record(job_dir, read_record(job_dir)))
+                except JobRecordError:
+                    continue
+            if not info.active:
+                cache[job_dir.name] = (key, info)
+            infos.append(info)
+        self._finished_cache = cache  # jobs gone from disk drop out
         infos.sort(key=lambda i: (i.created_at or 0.0, i.id), reverse=True)
         return infos
 

@@ -21,6 +21,7 @@ from engine.server.spec import LaunchSpec
 
 STATE_FILE = "server.json"
 ACTIVE = ("starting", "running")
+INFO_REFRESH_S = 30.0  # the watcher re-reads /server_info this often (it is fixed per server process)
 
 
 class ServerStartError(Exception):
@@ -193,28 +194,41 @@ class ServerManager:
         return status
 
     # -- polling
-    async def poll(self) -> ServerStatus:
+    async def poll(self, *, reuse_client: bool = False) -> ServerStatus:
+        """The server's status now. `reuse_client`: keep one HTTP client between calls (the
+        watcher: creating one costs ~30 ms of CPU, every second); close it with close_poll_client().
+
+        A stopped or crashed server whose record and job files have not changed since the last
+        poll is not read again (the console polls every second, mostly with no server)."""
+        key = self._poll_files_key()
+        cached = getattr(self, "_idle_poll", None)
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
         rec = self.record()
-        job = await asyncio.to_thread(self.job)
+        job_id = rec.get("job_id")
+        job = await asyncio.to_thread(self.job) if job_id else None
         base = dict(backend=rec.get("backend", ""), url=rec.get("url", ""), restarts=int(rec.get("restarts", 0)))
         if job is None:
-            return ServerStatus(state="stopped", **base)
+            return self._remember_idle(key, ServerStatus(state="stopped", **base))
         base.update(job_id=job.id, pid=job.pid)
         if job.state not in ACTIVE:
             tail = tuple(job.last_log_lines or self.jobs.tail(job.id, 10))
             crashed = rec.get("desired") == "running"
-            return ServerStatus(state="crashed" if crashed else "stopped", exit_code=job.exit_code, log_tail=tail,
-                                error=(_failure_reason(list(tail)) if crashed else ""), **base)
+            return self._remember_idle(key, ServerStatus(
+                state="crashed" if crashed else "stopped", exit_code=job.exit_code, log_tail=tail,
+                error=(_failure_reason(list(tail)) if crashed else ""), **base))
+        self._idle_poll = None
         base["uptime_s"] = time.time() - job.started_at if job.started_at else None
-        client = self.client(rec.get("url"))
+        client = await self._poll_client(rec.get("url")) if reuse_client else self.client(rec.get("url"))
         try:
-            info = await client.server_info()
+            info = await self._server_info(client, job) if reuse_client else await client.server_info()
             metrics = await client.metrics()
         except Exception as exc:
             return ServerStatus(state="starting" if (base["uptime_s"] or 0) < 5 else "unhealthy", error=str(exc)[:300],
                                 log_tail=tuple(self.jobs.tail(job.id, 10)), **base)
         finally:
-            await client.aclose()
+            if not reuse_client:
+                await client.aclose()
         return ServerStatus(
             state="ready", model=str(info.get("model_path", "")), capture=_capture_info(info),
             flags={k: info.get(k) for k in FLAG_KEYS if k in info},
@@ -227,26 +241,91 @@ class ServerManager:
             log_tail=tuple(self.jobs.tail(job.id, 10)), **base,
         )
 
+    def _poll_files_key(self) -> tuple | None:
+        """Identity (inode, size, mtime) of server.json and of the recorded job's job.json."""
+        from engine.jobctx import RECORD_FILE
+
+        def ident(path) -> tuple[int, int, int] | None:
+            try:
+                st = path.stat()
+            except OSError:
+                return None
+            return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+        state = ident(self._state_path)
+        remembered = getattr(self, "_record_job_id", None)  # (server.json identity, its job_id)
+        if state is None:
+            job_id = None
+        elif remembered is not None and remembered[0] == state:
+            job_id = remembered[1]
+        else:
+            job_id = self.record().get("job_id")
+            self._record_job_id = (state, job_id)
+        if not job_id:
+            return (state, None)
+        if not isinstance(job_id, str) or "/" in job_id or job_id.startswith("."):
+            return None  # not a plain folder name: never cached, let the full poll report it
+        return (state, ident(self.jobs.jobs_dir / job_id / RECORD_FILE))
+
+    async def _server_info(self, client, job: JobInfo) -> dict[str, Any]:
+        """/server_info for the watcher: it names the model and launch flags, fixed for a server
+        process, so it is fetched once per process and then every INFO_REFRESH_S, not every poll."""
+        held = getattr(self, "_held_info", None)
+        now = time.monotonic()
+        if held is not None and held[0] == (job.id, job.pid) and now - held[1] < INFO_REFRESH_S:
+            return held[2]
+        self._held_info = None
+        info = await client.server_info()
+        self._held_info = ((job.id, job.pid), now, info)
+        return info
+
+    def _remember_idle(self, key: tuple | None, status: ServerStatus) -> ServerStatus:
+        self._idle_poll = (key, status) if key is not None else None
+        return status
+
+    async def _poll_client(self, url: str | None):
+        """The watcher's HTTP client, made again when the url changes or on another event loop."""
+        loop = asyncio.get_running_loop()
+        held = getattr(self, "_held_client", None)
+        if held is not None and held[0] == (url, loop):
+            return held[1]
+        await self.close_poll_client()
+        client = self.client(url)
+        self._held_client = ((url, loop), client)
+        return client
+
+    async def close_poll_client(self) -> None:
+        held = getattr(self, "_held_client", None)
+        self._held_client = None
+        if held is not None and held[0][1] is asyncio.get_running_loop():
+            try:
+                await held[1].aclose()
+            except Exception:  # closing a pool whose connections already broke
+                pass
+
     async def watch(self, callback, interval: float = 1.0) -> None:
         """Poll forever; restart a crashed server when the policy allows (one poller, self-rescheduling)."""
-        while True:
-            started = time.monotonic()
-            try:
-                status = await self.poll()
-                if status.state == "crashed" and self.workspace.config.server.restart_on_crash:
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    status = await self.poll(reuse_client=True)
+                    if status.state == "crashed" and self.workspace.config.server.restart_on_crash:
+                        callback(status)
+                        try:
+                            status = await self.ensure_running()
+                        except ServerStartError as exc:
+                            self._write_record(desired="stopped")
+                            status = ServerStatus(state="crashed", error=f"restart failed: {exc}",
+                                                  log_tail=tuple(exc.log_tail))
                     callback(status)
-                    try:
-                        status = await self.ensure_running()
-                    except ServerStartError as exc:
-                        self._write_record(desired="stopped")
-                        status = ServerStatus(state="crashed", error=f"restart failed: {exc}",
-                                              log_tail=tuple(exc.log_tail))
-                callback(status)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the watcher must outlive any single failure
-                callback(ServerStatus(state="unhealthy", error=f"poll failed: {exc}"))
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the watcher must outlive any single failure
+                    callback(ServerStatus(state="unhealthy", error=f"poll failed: {exc}"))
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        finally:
+            await self.close_poll_client()
 
     def logs(self, n: int = 50) -> list[str]:
         job = self.job()
