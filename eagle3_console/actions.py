@@ -53,9 +53,12 @@ class JobActions:
     def active_pane(self) -> str:
         from eagle3_console.layout import PaneDeck
 
+        # The panes are the deck's children: a scan of six, not a selector query over every
+        # widget (this runs for each pane key whenever the footer's bindings are refreshed).
         try:
-            for pane in self.query_one(PaneDeck).query(".pane.-active"):
-                return (pane.id or "").removeprefix("pane-")
+            for pane in self.query_one(PaneDeck).children:
+                if pane.has_class("-active"):
+                    return (pane.id or "").removeprefix("pane-")
         except Exception:  # before compose, or while closing
             return ""
         return ""

@@ -21,10 +21,11 @@ from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer, Tab, Tabs
+from textual.widgets import Tab, Tabs
 from textual.worker import Worker, WorkerState
 
 from eagle3_console.actions import PANE_BINDINGS, JobActions
+from eagle3_console.footer import ConsoleFooter
 from eagle3_console.header import ConsoleHeader
 from eagle3_console.help import HelpScreen
 from eagle3_console.layout import WIDE_MIN_COLUMNS, PaneDeck
@@ -55,6 +56,7 @@ TABS: list[tuple[str, str]] = [
     ("training", "Training"),
     ("evaluation", "Evaluation"),
 ]
+ENGINE_START_DELAY_S = 0.1  # after the first paint: the footer is rebuilt just after it
 TTY_CHECK_S = 2.0  # how often the console checks that its terminal is still there
 SHIPPED_THEMES = ("eagle3-dark", "eagle3-light", "eagle3-contrast")
 
@@ -131,7 +133,7 @@ class ConsoleApp(JobActions, App[int]):
             yield ExtractionPane()
             yield TrainingPane(drafter_dir=self.workspace.drafter_dir, poll_s=engine.config.ui.refresh_s)
             yield EvaluationPane(eval_dir=self.workspace.eval_dir)
-        yield Footer(compact=True)  # room for the active pane's keys at 80 columns
+        yield ConsoleFooter(compact=True)  # room for the active pane's keys at 80 columns
 
     async def on_mount(self) -> None:
         self._apply_layout(self.size.width)
@@ -148,7 +150,17 @@ class ConsoleApp(JobActions, App[int]):
         if self.engine.server_status is not None:
             self.query_one(ServerPane).post_message(ServerChanged(self.engine.server_status))
         self._watch_terminal()
-        await self.engine.start()
+        # In a terminal the pollers start just after the first frame (screen and footer) is
+        # painted: their first samples (NVML start-up, a job scan) would otherwise compete with
+        # it for the CPU. Headless (tests) they start at once, so a test finds them running.
+        if self.is_headless:
+            await self._start_engine()
+        else:
+            self.call_after_refresh(lambda: self.set_timer(ENGINE_START_DELAY_S, self._start_engine))
+
+    async def _start_engine(self) -> None:
+        if not self._closed:
+            await self.engine.start()
 
     # -- losing the terminal (SSH drop)
     def _watch_terminal(self) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from textual.widgets import Static
 
-from eagle3_console.render import esc
+from eagle3_console.render import esc, set_markup
 
 
 def short_path(path: Path) -> str:
@@ -73,4 +73,4 @@ class ConsoleHeader(Static):
                 f" · [$text-muted]{jobs}[/]")
 
     def _render_line(self) -> None:
-        self.update(self.render_line_markup())
+        set_markup(self, self.render_line_markup())

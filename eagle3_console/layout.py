@@ -35,11 +35,23 @@ class PaneDeck(Container):
     def set_wide(self, wide: bool) -> None:
         self.set_class(wide, "-wide")
         self.set_class(not wide, "-narrow")
+        self._tell_shown()
 
     @property
     def wide(self) -> bool:
         return self.has_class("-wide")
 
     def activate(self, pane_id: str) -> None:
-        for pane in self.query(".pane"):
+        for pane in self._panes():
             pane.set_class(pane.id == f"pane-{pane_id}", "-active")
+        self._tell_shown()
+
+    def _tell_shown(self) -> None:
+        """Let panes that skipped updates while hidden catch up now that they show."""
+        for pane in self._panes():
+            if pane.shown:
+                pane.pane_shown()
+
+    def _panes(self) -> list:
+        """The panes: the deck's own children (cheaper than a selector query over all widgets)."""
+        return [child for child in self.children if child.has_class("pane")]

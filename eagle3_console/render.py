@@ -47,3 +47,16 @@ def clip(text: str, width: int) -> str:
 def esc(text: object) -> str:
     """Escape user or engine text for markup (paths may contain brackets)."""
     return escape(str(text))
+
+
+def set_markup(widget, markup: str) -> bool:
+    """`widget.update(markup)` only when the text differs; True if it changed.
+
+    Each update re-parses the markup and re-runs layout; most polls (1 Hz) bring the same
+    text again (a stopped server, no NVML, the same disk figures), and skipping those is most
+    of what keeps the idle console cheap.
+    """
+    if widget.content == markup:
+        return False
+    widget.update(markup)
+    return True

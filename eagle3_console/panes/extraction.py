@@ -21,7 +21,7 @@ from textual.widgets import ProgressBar, Sparkline, Static
 from eagle3_console.fmt import fmt_count, fmt_duration
 from eagle3_console.messages import DiskChanged, JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
-from eagle3_console.render import clip, esc
+from eagle3_console.render import clip, esc, set_markup
 
 HISTORY = 120  # rate samples kept for the sparklines (one per progress event, ~1/s)
 USER_PAUSE = "paused by the user"  # the reason engine.extract.job gives for the pause flag
@@ -212,7 +212,9 @@ class ExtractionPane(Pane):
                 id="extract-state",
             )
             yield Static("", id="extract-paused")
-            yield ProgressBar(total=None, show_eta=False, id="extract-bar")
+            # A known total from the start: an indeterminate bar animates on a 15 Hz timer even while
+            # hidden (it is shown only once the job reports its total).
+            yield ProgressBar(total=1, show_eta=False, id="extract-bar")
             yield Static("", id="extract-numbers")
             with Horizontal(classes="rate-row", id="tok-row"):
                 yield Static("", classes="rate-label", id="tok-label")
@@ -295,9 +297,9 @@ class ExtractionPane(Pane):
         lines = [f"[{colour}]● [b]{esc(phase)}[/b][/] · {job}"]
         if v.result:
             lines.append(f"[{colour}]{esc(v.result)}[/]")
-        state.update("\n".join(lines))
+        set_markup(state, "\n".join(lines))
         paused.display = bool(v.paused) and phase == "paused"
-        paused.update(f"PAUSED: {esc(v.paused)}" + ("  (p resumes)" if v.paused == USER_PAUSE else ""))
+        set_markup(paused, f"PAUSED: {esc(v.paused)}" + ("  (p resumes)" if v.paused == USER_PAUSE else ""))
         for part in parts:
             part.display = v.total > 0
         bar = self.query_one("#extract-bar", ProgressBar)
@@ -305,13 +307,13 @@ class ExtractionPane(Pane):
             bar.update(total=v.total, progress=v.done)
         eta = fmt_duration(v.eta_s) if v.eta_s is not None and phase == "running" else "—"
         tokens = f"{fmt_count(v.tokens)}/{fmt_count(v.total_tokens)}" if v.total_tokens else fmt_count(v.tokens)
-        self.query_one("#extract-numbers", Static).update(
+        set_markup(self.query_one("#extract-numbers", Static),
             f"samples [b]{v.done}/{v.total}[/b] · tokens {tokens} · ETA [b]{eta}[/b] · "
             f"bad {'[$error]' if v.bad else ''}{v.bad}{'[/]' if v.bad else ''}")
         tok_s = "?" if v.tokens_per_s is None else fmt_count(v.tokens_per_s)
         mb_s = "?" if v.mb_per_s is None else f"{v.mb_per_s:.1f}"
-        self.query_one("#tok-label", Static).update(f"tok/s [b]{tok_s}[/b]")
-        self.query_one("#mb-label", Static).update(f"MB/s  [b]{mb_s}[/b]")
+        set_markup(self.query_one("#tok-label", Static), f"tok/s [b]{tok_s}[/b]")
+        set_markup(self.query_one("#mb-label", Static), f"MB/s  [b]{mb_s}[/b]")
         self.query_one("#tok-spark", Sparkline).data = list(v.tok_history) or [0.0]
         self.query_one("#mb-spark", Sparkline).data = list(v.mb_history) or [0.0]
         self._render_warnings()
@@ -330,7 +332,7 @@ class ExtractionPane(Pane):
             warnings.append(f"[$text-muted]{v.retries} retried request(s)[/]")
         widget = self.query_one("#extract-warnings", Static)
         widget.display = bool(warnings)
-        widget.update("\n".join(warnings))
+        set_markup(widget, "\n".join(warnings))
 
     def _render_gauges(self) -> None:
         width = max(20, (self.content_region.width or 76))
@@ -341,4 +343,4 @@ class ExtractionPane(Pane):
             if remaining is not None and usage.mount == self.view.output_mount:
                 projected = usage.used + remaining
             lines.extend(disk_gauge(usage, width, projected))
-        self.query_one("#disk-gauges", Static).update("\n".join(lines) or "[$warning]no disk readable[/]")
+        set_markup(self.query_one("#disk-gauges", Static), "\n".join(lines) or "[$warning]no disk readable[/]")

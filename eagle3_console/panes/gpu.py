@@ -9,7 +9,7 @@ from textual.widgets import Static
 
 from eagle3_console.messages import GpuChanged
 from eagle3_console.panes.base import Pane
-from eagle3_console.render import bar, clip, esc, level_colour
+from eagle3_console.render import bar, clip, esc, level_colour, set_markup
 
 GIB = 2**30
 
@@ -116,6 +116,7 @@ class GpuPane(Pane):
         self.disable_nvls = disable_nvls
         self.snapshot = None
         self.history: dict[int, deque] = {}  # GPU index -> recent utilisation percentages
+        self._nccl_cache: tuple | None = None
 
     def compose(self) -> ComposeResult:
         yield Static("[$text-muted]sampling GPUs…[/]", id="gpu-status")
@@ -134,10 +135,21 @@ class GpuPane(Pane):
 
     def on_gpu_changed(self, message: GpuChanged) -> None:
         self.snapshot = message.snapshot
-        self._render_snapshot()
+        if self.render_when_shown():  # hidden behind another tab: render when shown
+            self._render_snapshot()
 
     def on_resize(self) -> None:
         self._render_snapshot()
+
+    def refresh_view(self) -> None:
+        self._render_snapshot()
+
+    def _nccl_lines(self, suggested: str | None) -> list[str]:
+        """nccl_lines, cached: the preset and environment do not change while the console runs."""
+        key = (self.nccl_preset, self.disable_nvls, suggested)
+        if self._nccl_cache is None or self._nccl_cache[0] != key:
+            self._nccl_cache = (key, nccl_lines(*key))
+        return list(self._nccl_cache[1])
 
     def _render_snapshot(self) -> None:
         snap = self.snapshot
@@ -145,10 +157,10 @@ class GpuPane(Pane):
         table = self.query_one("#gpu-table", Static)
         suggested = None
         if snap is None:
-            status.update("[$text-muted]sampling GPUs…[/]")
+            set_markup(status, "[$text-muted]sampling GPUs…[/]")
             table.display = False
         elif not snap.available:
-            status.update(f"[$warning]{esc(snap.reason)}[/]\n"
+            set_markup(status, f"[$warning]{esc(snap.reason)}[/]\n"
                           "[$text-muted]GPU rows appear here once NVML answers (driver loaded, GPUs visible).[/]")
             table.display = False
         else:
@@ -157,12 +169,12 @@ class GpuPane(Pane):
             first = snap.gpus[0]
             suggested = suggest_preset(first.compute_capability, snap.interconnect)
             cuda = f" · CUDA {esc(snap.cuda_driver_version)}" if snap.cuda_driver_version else ""
-            status.update(f"{len(snap.gpus)} × {esc(first.architecture)} · interconnect [b]{esc(snap.interconnect)}[/b]"
+            set_markup(status, f"{len(snap.gpus)} × {esc(first.architecture)} · interconnect [b]{esc(snap.interconnect)}[/b]"
                           f" · driver {esc(snap.driver_version or '?')}{cuda}")
             table.display = True
             width = max(40, self.content_region.width or 78)
-            table.update("\n".join(gpu_rows(snap, width, self.history)))
-        lines = nccl_lines(self.nccl_preset, self.disable_nvls, suggested)
+            set_markup(table, "\n".join(gpu_rows(snap, width, self.history)))
+        lines = self._nccl_lines(suggested)
         if snap is not None and not snap.available:
             lines.insert(0, "interconnect [$text-muted]unknown (no NVML)[/]")
-        self.query_one("#gpu-nccl", Static).update("\n".join(lines))
+        set_markup(self.query_one("#gpu-nccl", Static), "\n".join(lines))

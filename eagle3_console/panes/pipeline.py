@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Static
 
 from eagle3_console.messages import RunChecks, StageChanged
 from eagle3_console.panes.base import Pane
-from eagle3_console.render import clip, esc
+from eagle3_console.render import clip, esc, set_markup
 
 GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-"}
 STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
@@ -158,4 +158,4 @@ class PipelinePane(Pane):
 
     def _render_detail(self) -> None:
         name = self.selected_stage
-        self.query_one("#stage-detail", Static).update(detail_markup(self.stages[name], self.reports[name]))
+        set_markup(self.query_one("#stage-detail", Static), detail_markup(self.stages[name], self.reports[name]))

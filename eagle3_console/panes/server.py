@@ -17,7 +17,7 @@ from textual.widgets import Sparkline, Static
 from eagle3_console.fmt import fmt_duration, fmt_num
 from eagle3_console.messages import ServerActionFailed, ServerChanged
 from eagle3_console.panes.base import Pane
-from eagle3_console.render import clip, esc
+from eagle3_console.render import clip, esc, set_markup
 
 # Theme variable per server state.
 STATE_COLOURS = {"ready": "$success", "starting": "$warning", "unhealthy": "$warning",
@@ -135,6 +135,10 @@ class ServerPane(Pane):
         elif self.status is not None and self.status.state == "ready":
             self.throughput.append(0.0)  # the drop is part of the story
         self.status = status
+        if self.render_when_shown():  # hidden behind another tab: render when shown
+            self._render_status()
+
+    def refresh_view(self) -> None:
         self._render_status()
 
     def on_server_action_failed(self, message: ServerActionFailed) -> None:
@@ -151,18 +155,18 @@ class ServerPane(Pane):
         failure = self.query_one("#server-failure", Static)
         if self.failure:
             failure.display = True
-            failure.update(f"start failed: {esc(self.failure[0])}")
+            set_markup(failure, f"start failed: {esc(self.failure[0])}")
         else:
             failure.display = False
         if status is None:
             self.query_one("#server-rate-row").display = False
             self._render_log(self.failure[1] if self.failure else ())
             return
-        state.update("\n".join(status_lines(status, width)))
+        set_markup(state, "\n".join(status_lines(status, width)))
         row = self.query_one("#server-rate-row")
         row.display = bool(self.throughput) or status.state == "ready"
         rate = "?" if status.gen_throughput is None else f"{status.gen_throughput:.1f}"
-        self.query_one("#server-rate", Static).update(
+        set_markup(self.query_one("#server-rate", Static),
             f"gen [b]{rate}[/b] tok/s\nrunning {fmt_num(status.running_reqs, 0)} · queued {fmt_num(status.queued_reqs, 0)}")
         self.query_one("#server-spark", Sparkline).data = list(self.throughput) or [0.0]
         tail = status.log_tail or (self.failure[1] if self.failure else ())
@@ -174,7 +178,7 @@ class ServerPane(Pane):
         width = max(20, log.size.width or 76)
         lines = [esc(clip(line.rstrip(), width)) for line in list(tail)[-rows:]]
         self.query_one("#server-log-title", Static).display = bool(lines)
-        log.update("\n".join(lines))
+        set_markup(log, "\n".join(lines))
 
     # -- read by the app and tests
     @property

@@ -28,7 +28,7 @@ from textual.widgets import Static
 from eagle3_console.fmt import fmt_count, fmt_duration, fmt_num
 from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetricsRead
 from eagle3_console.panes.base import Pane
-from eagle3_console.render import esc
+from eagle3_console.render import esc, set_markup
 
 METRICS_FILE = "metrics.jsonl"
 CKPT_DIR = "checkpoints"  # engine.train.checkpoint layout (not imported: it pulls in torch)
@@ -322,7 +322,7 @@ class TrainingPane(Pane):
             job = f"[{colour}]● [b]{esc(self.job_state)}[/b][/] · job {esc(self.job_id)}"
         if not has_data:
             if job:
-                state.update(f"{job}\n[$text-muted]waiting for the first metrics line…[/]")
+                set_markup(state, f"{job}\n[$text-muted]waiting for the first metrics line…[/]")
             return
         step = f"step [b]{v.step}[/b]" + (f"/{v.total_steps}" if v.total_steps else "")
         rate = v.steps_per_s
@@ -330,8 +330,8 @@ class TrainingPane(Pane):
                                          f"ETA {fmt_duration(v.eta_s)}" if v.eta_s is not None else "") if p)]
         if self.job_note:
             lines.append(f"[$text-muted]{esc(self.job_note)}[/]")
-        state.update("\n".join(lines))
-        self.query_one("#training-figures", Static).update("\n".join(self._figure_lines()))
+        set_markup(state, "\n".join(lines))
+        set_markup(self.query_one("#training-figures", Static), "\n".join(self._figure_lines()))
 
     def _figure_lines(self) -> list[str]:
         v = self.view
