@@ -11,7 +11,6 @@ lives; the manager again only once the supervisor is gone (lost, or SIGKILLed on
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import shutil
@@ -25,6 +24,7 @@ from stat import S_ISREG
 from typing import Any, Generator, Mapping
 
 from engine.atomic import write_text
+from engine.jsonl import complete_objects
 from engine.jobctx import (
     EVENTS_FILE,
     JOB_DIR_ENV,
@@ -316,16 +316,8 @@ class JobManager:
                 data = handle.read()
         except FileNotFoundError:
             return [], since_offset
-        complete = data[: data.rfind(b"\n") + 1]
-        events: list[dict[str, Any]] = []
-        for line in complete.splitlines():
-            try:
-                item = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(item, dict):
-                events.append(item)
-        return events, since_offset + len(complete)
+        events, used = complete_objects(data)
+        return events, since_offset + used
 
     # ---- stopping -------------------------------------------------------------------
 

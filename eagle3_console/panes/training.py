@@ -29,6 +29,7 @@ from eagle3_console.fmt import fmt_count, fmt_duration, fmt_num
 from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetricsRead
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import esc, set_markup
+from engine.jsonl import complete_objects
 
 METRICS_FILE = "metrics.jsonl"
 CKPT_DIR = "checkpoints"  # engine.train.checkpoint layout (not imported: it pulls in torch)
@@ -68,16 +69,8 @@ def read_new_metrics(path: Path, tail: MetricsTail) -> tuple[list[dict], bool]:
     with open(path, "rb") as handle:
         handle.seek(tail.offset)
         data = handle.read()
-    complete = data[: data.rfind(b"\n") + 1]
-    tail.offset += len(complete)
-    records = []
-    for line in complete.splitlines():
-        try:
-            item = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(item, dict):
-            records.append(item)
+    records, used = complete_objects(data)
+    tail.offset += used
     return records, reset
 
 
