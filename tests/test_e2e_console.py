@@ -4,8 +4,8 @@ server, real extraction, real training of a drafter, real evaluation).
 
 The demo workspace is built once per session and copied; the copy is shrunk for CI (fewer
 samples, one epoch, fewer evaluation prompts) and gets a free port. The `gpus` stage passes
-only where NVML answers; on a CPU-only CI machine its failure is asserted and the rest of the
-pipeline (which runs on CPU) goes green regardless.
+only where NVML answers; on a CPU-only CI machine it is asserted amber (warned: the local backend
+runs on the CPU) and the rest of the pipeline (which runs on CPU) goes green.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ async def test_demo_to_green_evaluate_by_keys(demo_ws):
         await wait_until(pilot, lambda: all(state(s) not in ("pending", "running") for s in STAGE_ORDER), 90,
                          "all checks")
         nvml = engine.latest_gpu().available
-        assert state("gpus") == ("passed" if nvml else "failed")
+        assert state("gpus") == ("passed" if nvml else "warned")  # local backend on CPU: amber, not green
         assert state("model") == "passed" and state("dataset") in ("passed", "warned")
         for stage in ("server", "capture", "extract", "train", "evaluate"):
             assert state(stage) == "failed", stage
