@@ -4,7 +4,7 @@
 - the API key is accepted, required, and never written to logs, job records, events or state;
 - files that may hold the key are user-only (console.toml, state/server.json);
 - request ids and run names that could climb out of their directory are refused;
-- no shell=True (or os.system / os.popen) anywhere in engine/ and eagle3_console/.
+- no subprocess with the shell switched on (nor os.system / os.popen) anywhere in engine/ and eagle3_console/.
 """
 
 from __future__ import annotations
