@@ -156,3 +156,26 @@ def wait_healthy(proc, url: str, log: Path, timeout: float = 40.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"server not healthy within {timeout:.0f} s: {log.read_text()}")
         time.sleep(0.2)
+
+
+def screen_lines(app) -> list[str]:
+    """The screen as plain text lines, rebuilt from the SVG screenshot (what a user sees)."""
+    import html
+    import re
+
+    svg = app.export_screenshot()
+    rows: dict[float, list[tuple[float, str]]] = {}
+    for x, y, text in re.findall(r'<text [^>]*x="([\d.]+)" y="([\d.]+)"[^>]*>([^<]*)</text>', svg):
+        rows.setdefault(float(y), []).append((float(x), html.unescape(text).replace("\xa0", " ")))
+    lines = []
+    for y in sorted(rows):
+        line = ""
+        for x, text in sorted(rows[y]):
+            col = round(x / 12.2)
+            line = line.ljust(col) + text
+        lines.append(line)
+    return lines
+
+
+def screen_text(app) -> str:
+    return "\n".join(screen_lines(app))

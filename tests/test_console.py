@@ -7,7 +7,8 @@ fake here, since NVML cannot answer on this machine).
 
 from __future__ import annotations
 
-import html
+from conftest import screen_lines, screen_text
+
 import json
 import os
 import re
@@ -33,26 +34,6 @@ STAGES = ["gpus", "model", "dataset", "server", "capture", "disk", "extract", "t
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def screen_lines(app) -> list[str]:
-    """The screen as plain text lines, rebuilt from the SVG screenshot (what a user sees)."""
-    svg = app.export_screenshot()
-    rows: dict[float, list[tuple[float, str]]] = {}
-    for x, y, text in re.findall(r'<text [^>]*x="([\d.]+)" y="([\d.]+)"[^>]*>([^<]*)</text>', svg):
-        rows.setdefault(float(y), []).append((float(x), html.unescape(text).replace("\xa0", " ")))
-    lines = []
-    for y in sorted(rows):
-        line = ""
-        for x, text in sorted(rows[y]):
-            col = round(x / 12.2)
-            line = line.ljust(col) + text
-        lines.append(line)
-    return lines
-
-
-def screen_text(app) -> str:
-    return "\n".join(screen_lines(app))
 
 
 def write_min_model(path: Path) -> Path:

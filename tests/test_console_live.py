@@ -16,7 +16,8 @@ Screenshots land in /tmp/live_*.svg (80x24 and 160x50) for a human to look at.
 
 from __future__ import annotations
 
-import html
+from conftest import screen_lines, screen_text
+
 import json
 import re
 import socket
@@ -42,25 +43,6 @@ from eagle3_console.panes import ExtractionPane, ServerPane, TrainingPane
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def screen_lines(app) -> list[str]:
-    """The screen as plain text lines, rebuilt from the SVG screenshot (what a user sees)."""
-    svg = app.export_screenshot()
-    rows: dict[float, list[tuple[float, str]]] = {}
-    for x, y, text in re.findall(r'<text [^>]*x="([\d.]+)" y="([\d.]+)"[^>]*>([^<]*)</text>', svg):
-        rows.setdefault(float(y), []).append((float(x), html.unescape(text).replace("\xa0", " ")))
-    lines = []
-    for y in sorted(rows):
-        line = ""
-        for x, text in sorted(rows[y]):
-            line = line.ljust(round(x / 12.2)) + text
-        lines.append(line)
-    return lines
-
-
-def screen_text(app) -> str:
-    return "\n".join(screen_lines(app))
 
 
 def plain(widget: Static) -> str:
