@@ -158,6 +158,18 @@ def wait_healthy(proc, url: str, log: Path, timeout: float = 40.0) -> None:
         time.sleep(0.2)
 
 
+def stop_process(proc, grace: float = 10.0) -> None:
+    """SIGTERM a test's server process, SIGKILL it if it has not exited after `grace` seconds."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def screen_lines(app) -> list[str]:
     """The screen as plain text lines, rebuilt from the SVG screenshot (what a user sees)."""
     import html

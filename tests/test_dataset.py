@@ -7,7 +7,7 @@ target server process on 127.0.0.1 and a real detached job that is killed and re
 
 from __future__ import annotations
 
-from conftest import wait_healthy
+from conftest import stop_process, wait_healthy
 
 import json
 import os
@@ -310,12 +310,7 @@ def server_url(gen_model: Path, tmp_path_factory):
         wait_healthy(proc, url, log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def wait_job(jobs, job_id: str, timeout: float = 60.0):

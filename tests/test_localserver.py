@@ -6,7 +6,7 @@ loaded in-process as the reference for tokens and hidden states.
 
 from __future__ import annotations
 
-from conftest import wait_healthy
+from conftest import stop_process, wait_healthy
 
 import asyncio
 import http.server
@@ -71,12 +71,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         wait_healthy(proc, url, log)
         yield RunningServer(proc, url, spool, log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
