@@ -255,18 +255,12 @@ def status_data(ws) -> dict:
             "stages": [r.to_dict() for r in engine.reports()],
             "jobs": [_job_dict(j, with_progress=_show_progress(j, jobs)) for j in jobs],
             "evaluation": _evaluation_summary(ws),
-            "server": _server_status(ws),
+            "server": asyncio.run(engine.server.poll()).to_dict(),
             "gpus": gpu.to_dict(),
             "disk": [_disk_dict(d) for d in disks],
         }
     finally:
         asyncio.run(engine.close())
-
-
-def _server_status(ws) -> dict:
-    from engine.server.manager import ServerManager
-
-    return asyncio.run(ServerManager(ws).poll()).to_dict()
 
 
 def _lock_held(ws) -> bool:
