@@ -241,7 +241,8 @@ def test_run_with_other_settings_is_refused(server_ws):
     assert asyncio.run(Extractor(ws, limit=3).run()) in (0, 3)
     ws.save_config(set_value(ws.config, "dataset.max_seq_len", 64))
     ws.reload()
-    from engine.extract.guard import DiskBudgetError
+    from engine.extract.guard import DiskBudgetError, ExtractionRefused
 
-    with pytest.raises(DiskBudgetError, match="set extract.run to a new name"):
+    with pytest.raises(ExtractionRefused, match="set extract.run to a new name") as info:
         asyncio.run(Extractor(ws).run())
+    assert not isinstance(info.value, DiskBudgetError), "a settings mismatch is not a disk problem"

@@ -8,8 +8,12 @@ from pathlib import Path
 from engine.disk import fmt_bytes, usage_for
 
 
-class DiskBudgetError(Exception):
-    pass
+class ExtractionRefused(Exception):
+    """The extraction will not start; the message names the cause and the options."""
+
+
+class DiskBudgetError(ExtractionRefused):
+    """The run does not fit on the output disk above its reserve."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine import atomic
 from engine.disk import bytes_per_token, usage_for
-from engine.extract.guard import DiskBudgetError, low_space, require_fit
+from engine.extract.guard import ExtractionRefused, low_space, require_fit
 from engine.extract.plan import Plan, PlannedSample, build_plan
 from engine.extract.verify import check_run, rewrite_manifest, write_bad
 from engine.records import (
@@ -108,7 +108,7 @@ class Extractor:
             old = read_run_meta(self.run_dir)
             for key in ("hidden_size", "layers", "fingerprint", "max_seq_len"):
                 if old.get(key) != meta[key]:
-                    raise DiskBudgetError(  # reuse: a clear refusal before any work
+                    raise ExtractionRefused(
                         f"run {self.run_dir} was made with {key}={old.get(key)!r}, now {meta[key]!r}: set "
                         "extract.run to a new name (old records are kept until you release them)")
         else:
@@ -309,7 +309,7 @@ class Extractor:
         self.event("planning", dataset=self.cfg.dataset.path)
         plan = await asyncio.to_thread(build_plan, self.ws, self.limit)
         if not plan.samples:
-            raise DiskBudgetError(f"dataset {plan.dataset} has no usable sample: run the dataset stage for details")
+            raise ExtractionRefused(f"dataset {plan.dataset} has no usable sample: run the dataset stage for details")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.spool.mkdir(parents=True, exist_ok=True)
         self._check_run_meta(plan, hidden, layers)
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ws = Workspace(args.workspace)
         return asyncio.run(Extractor(ws, ctx, args.limit).run())
-    except (ConfigError, DiskBudgetError, RecordError) as exc:
+    except (ConfigError, ExtractionRefused, RecordError) as exc:
         if ctx is not None:
             ctx.event("error", message=str(exc))
         print(f"extraction: error: {exc}", flush=True)
