@@ -100,6 +100,45 @@ async def bench(url: str, spool: Path, args, vocab: int) -> dict:
     return {"on": on, "off": off}
 
 
+def spool_write_ceiling(spool: Path, hidden: int, tokens: int, dtype: str, seconds: float = 3.0) -> dict:
+    """The capture writer's own limit, measured in the same run: segments of one request's size
+    written with `write_segment` by as many threads as the server uses. tok/s above this cannot
+    be captured whatever the GPU does."""
+    import threading
+
+    import torch
+
+    from engine.capture.segments import release, write_segment
+
+    threads = max(4, min(16, (os.cpu_count() or 8) // 2))  # = the server's writer pool
+    torch_dtype = getattr(torch, dtype)
+    aux = torch.randn(tokens, 3 * hidden).to(torch_dtype)
+    final = torch.randn(tokens, hidden).to(torch_dtype)
+    ids = torch.arange(tokens)
+    written = [0] * threads
+    deadline = time.perf_counter() + seconds
+
+    def writer(k: int) -> None:
+        i = 0
+        while time.perf_counter() < deadline:
+            rid = f"ceiling-{k}-{i}"
+            write_segment(spool, rid, 0, ids, aux, final, [1, 2, 3])
+            release(spool, rid)
+            written[k] += tokens
+            i += 1
+
+    started = time.perf_counter()
+    pool = [threading.Thread(target=writer, args=(k,)) for k in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - started
+    bytes_per_token = 4 * hidden * aux.element_size() + 8
+    tok_s = sum(written) / elapsed
+    return {"threads": threads, "tok_s": round(tok_s), "gb_s": round(tok_s * bytes_per_token / 1e9, 2)}
+
+
 def main() -> int:  # noqa: C901 - a linear script
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -150,15 +189,18 @@ def main() -> int:  # noqa: C901 - a linear script
         finally:
             server.terminate()
             server.wait(30)
+        ceiling = spool_write_ceiling(spool, hidden, args.length, dtype)
         on, off = statistics.median(result["on"]), statistics.median(result["off"])
         device = torch.cuda.get_device_name(0) if gpu else f"CPU ({os.cpu_count()} cores)"
         summary = {"device": device, "model": f"random Llama {args.size} ({params / 1e6:.0f}M params, {dtype})",
                    "prompt_tokens": args.length, "requests_per_round": args.requests, "concurrency": args.concurrency,
                    "rounds": args.rounds, "capture_on_tok_s": round(on, 1), "capture_off_tok_s": round(off, 1),
                    "ratio_on_off": round(on / off, 3), "all_on": [round(x) for x in result["on"]],
-                   "all_off": [round(x) for x in result["off"]]}
+                   "all_off": [round(x) for x in result["off"]], "spool_write_ceiling": ceiling}
         print(json.dumps(summary, indent=2))
         print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}]")
+        print(f"spool write ceiling: {ceiling['tok_s']:,} tok/s ({ceiling['gb_s']} GB/s, {ceiling['threads']} writer "
+              f"threads, {spool}); capture-on can reach at most {min(1.0, ceiling['tok_s'] / off):.3f} of off")
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
