@@ -120,7 +120,10 @@ class ConsoleApp(JobActions, App[int]):
 
     def compose(self) -> ComposeResult:
         engine = self.engine
-        holder = describe_holder(engine.lock_holder) if engine.read_only else None
+        holder = None
+        if engine.read_only:  # attached read-only: by choice (--read-only, screenshots) or lock held
+            holder = describe_holder(engine.lock_holder) if engine.lock_holder else "nobody"
+
         yield ConsoleHeader(self.workspace.root, holder, id="header")
         yield Tabs(*[Tab(f"{i} {label}", id=tab) for i, (tab, label) in enumerate(TABS, start=1)],
                    active="pipeline", id="tabs")
@@ -407,3 +410,27 @@ def run_console(ws, read_only: bool = False) -> int:
         pass
     code = app.return_code
     return 0 if code is None else code
+
+
+def save_screenshots(ws, out_dir: Path, tabs: list[str], size: tuple[int, int], settle_s: float) -> list[Path]:
+    """Headless screenshots of a workspace as the console shows it now (read-only: never takes the
+    lock, never drives a job): one SVG per tab, after `settle_s` seconds of live polling."""
+    import asyncio
+
+    from engine.core import Engine
+
+    async def shoot() -> list[Path]:
+        app = ConsoleApp(Engine(ws, drive=False))
+        saved = []
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause(settle_s)
+            for tab in tabs:
+                app.action_show_tab(tab)
+                await pilot.pause(0.5)
+                name = f"{tab}-{size[0]}x{size[1]}.svg"
+                app.save_screenshot(name, str(out_dir))
+                saved.append(out_dir / name)
+        return saved
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(shoot())

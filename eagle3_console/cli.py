@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.config import ConfigError
 from engine.workspace import WorkspaceError
 
+TAB_IDS = ("gpus", "server", "pipeline", "extraction", "training", "evaluation")  # = eagle3_console.app.TABS
 GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-"}
 STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
 
@@ -55,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-capture", action="store_true", help="start without hidden-state capture")
     p.add_argument("-n", "--lines", type=int, default=50, help="log lines to show")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("screenshot", help="save SVG screenshots of the console headless (read-only)",
+                       parents=[common])
+    p.add_argument("out", metavar="DIR", help="directory for the SVG files")
+    p.add_argument("--tabs", default="pipeline", help="comma-separated tabs: " + ", ".join(TAB_IDS))
+    p.add_argument("--size", default="160x50", help="COLSxROWS (160 or wider shows all panes at once)")
+    p.add_argument("--settle", type=float, default=3.0, help="seconds of live polling before the first shot")
     _add_data_parser(sub)
     return parser
 
@@ -434,6 +441,25 @@ def cmd_console(args) -> int:
     return run_console(ws, read_only=args.read_only)
 
 
+def cmd_screenshot(args) -> int:
+    tabs = [t.strip() for t in args.tabs.split(",") if t.strip()]
+    unknown = [t for t in tabs if t not in TAB_IDS]
+    if unknown or not tabs:
+        return _fail(f"unknown tab {', '.join(unknown) or '(none)'}: choose from {', '.join(TAB_IDS)}")
+    try:
+        cols, rows = (int(x) for x in args.size.lower().split("x"))
+    except ValueError:
+        return _fail(f"--size {args.size!r} is not COLSxROWS, e.g. 160x50")
+    if not (40 <= cols <= 400 and 12 <= rows <= 200):
+        return _fail(f"--size {args.size} is out of range: use 40..400 columns and 12..200 rows")
+    ws = _open_workspace(args)
+    from eagle3_console.app import save_screenshots  # Textual is imported only here
+
+    for path in save_screenshots(ws, Path(args.out), tabs, (cols, rows), max(0.0, args.settle)):
+        print(path)
+    return 0
+
+
 def cmd_server(args) -> int:
     from engine.server.manager import ServerManager, ServerStartError
 
@@ -606,7 +632,7 @@ def _data_release(ws, args) -> int:
 
 
 COMMANDS = {"init": cmd_init, "check": cmd_check, "run": cmd_run, "status": cmd_status, "server": cmd_server,
-            "data": cmd_data}
+            "data": cmd_data, "screenshot": cmd_screenshot}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,21 @@ class WorkspaceLock:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def live_holder(self) -> LockHolder | None:
+        """The holder, unless the lock file only names a console of this host that has exited
+        (the file keeps the last holder's details after the kernel drops its lock). Probing with
+        flock instead would make a console starting at that instant go read-only."""
+        holder = self.holder()
+        if holder is None or holder.host != socket.gethostname():
+            return holder
+        try:
+            os.kill(holder.pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's process
+            pass
+        return holder
+
     @property
     def held(self) -> bool:
         return self._fd is not None
