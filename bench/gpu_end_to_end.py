@@ -1,6 +1,7 @@
 """End to end on one GPU with a real (home-made) language model, through the product's own jobs.
 
-1. Train a ~90M-parameter Llama on Python's standard library source for a fixed time budget,
+1. Train a ~80M-parameter, 16-layer Llama on Python source (the standard library, topped up with
+   installed packages' code; evaluation on held-out standard-library files) for a fixed time budget,
    report its held-out loss, save it as a Hugging Face directory (BPE tokenizer + chat template).
 2. Run the pipeline on it through the local backend on CUDA, exactly as a user would: workspace,
    server (capture on), capture probe, extraction job, drafter training job, evaluation job.
@@ -43,25 +44,54 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def stdlib_files(limit_bytes: int) -> tuple[list[str], list[str]]:
+def _read_py(path: Path) -> str | None:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if len(text) >= 400 else None
+
+
+def code_corpus(limit_bytes: int) -> tuple[list[str], list[str], dict]:
+    """Held-in and held-out Python files. Held-out: 1 in 20 standard-library files (by name hash:
+    stable, no file on both sides). Held-in: the other standard-library files, topped up to
+    `limit_bytes` with the source of installed packages when the standard library alone is small
+    (the device's held 533 files: a ~90M target memorised them in a minute). A package file that
+    shares its name with a held-out file is skipped, so vendored copies cannot leak."""
     base = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in base.rglob("*.py") if "site-packages" not in p.parts)
-    texts, total = [], 0
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+    held_in, held_out, names_out = [], [], set()
+    stdlib_bytes = 0
+    for path in sorted(p for p in base.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts):
+        text = _read_py(path)
+        if text is None:
             continue
-        if len(text) < 400:
-            continue
-        texts.append((str(path.relative_to(base)), text))
-        total += len(text)
-        if total > limit_bytes:
+        name = str(path.relative_to(base))
+        stdlib_bytes += len(text)
+        if int(hashlib.sha1(name.encode()).hexdigest(), 16) % 20 == 0:
+            held_out.append(text)
+            names_out.add(path.name)
+        else:
+            held_in.append(text)
+    total = sum(map(len, held_in))
+    extra_files = 0
+    roots = sorted({Path(p) for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()})
+    for root in roots:
+        if total >= limit_bytes:
             break
-    held_in, held_out = [], []
-    for name, text in texts:  # split by file name hash: stable, no file on both sides
-        (held_out if int(hashlib.sha1(name.encode()).hexdigest(), 16) % 20 == 0 else held_in).append(text)
-    return held_in, held_out
+        for path in sorted(root.rglob("*.py")):
+            if total >= limit_bytes:
+                break
+            if path.name in names_out or "test" in path.parts or "tests" in path.parts:
+                continue
+            text = _read_py(path)
+            if text is None:
+                continue
+            held_in.append(text)
+            total += len(text)
+            extra_files += 1
+    info = {"stdlib_files": len(held_in) - extra_files + len(held_out), "stdlib_mb": round(stdlib_bytes / 1e6, 1),
+            "package_files": extra_files, "held_in_mb": round(total / 1e6, 1), "held_out_files": len(held_out)}
+    return held_in, held_out, info
 
 
 def build_tokenizer(texts: list[str], out: Path, vocab: int):
@@ -86,13 +116,17 @@ def train_target(tok, held_in: list[str], held_out: list[str], out: Path, second
     from transformers import LlamaConfig, LlamaForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ids = torch.tensor([t for text in held_in for t in tok(text)["input_ids"] + [tok.eos_token_id]])
-    val = torch.tensor([t for text in held_out for t in tok(text)["input_ids"] + [tok.eos_token_id]])
+    def flat(texts: list[str]) -> torch.Tensor:
+        batches = tok(texts)["input_ids"]  # one call: the fast tokenizer spreads it over threads
+        return torch.tensor([t for ids in batches for t in ids + [tok.eos_token_id]])
+
+    ids, val = flat(held_in), flat(held_out)
+    log(f"target corpus: {len(ids):,} held-in tokens, {len(val):,} held-out tokens")
     seq, batch = (128, 8) if quick else (512, 64)
     dims = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
-                num_key_value_heads=2) if quick else dict(hidden_size=768, intermediate_size=2048,
-                                                          num_hidden_layers=12, num_attention_heads=12,
-                                                          num_key_value_heads=4)
+                num_key_value_heads=2) if quick else dict(hidden_size=640, intermediate_size=1728,
+                                                          num_hidden_layers=16, num_attention_heads=10,
+                                                          num_key_value_heads=2)
     config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=False,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
                          rope_theta=10000.0, **dims)
@@ -177,6 +211,8 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
     parser.add_argument("--samples", type=int, default=1500)
     parser.add_argument("--eval-prompts", type=int, default=24)
+    parser.add_argument("--corpus-mb", type=float, default=120.0, help="held-in code, topped up from packages")
+    parser.add_argument("--sample-tokens", type=int, default=1024, help="tokens per drafter training sample")
     args = parser.parse_args()
     import torch
 
@@ -191,8 +227,9 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     gpu = torch.cuda.is_available()
     results: dict = {"device": torch.cuda.get_device_name(0) if gpu else "cpu"}
 
-    held_in, held_out = stdlib_files(8_000_000 if args.quick else 60_000_000)
-    log(f"corpus: {len(held_in)} held-in files, {len(held_out)} held-out files")
+    held_in, held_out, corpus = code_corpus(8_000_000 if args.quick else int(args.corpus_mb * 1e6))
+    results["corpus"] = corpus
+    log(f"corpus: {corpus}")
     model_dir = out / "target"
     model_dir.mkdir(exist_ok=True)
     tok = build_tokenizer(held_in[:4000], model_dir, 1024 if args.quick else 8192)
@@ -204,14 +241,18 @@ def main() -> int:  # noqa: C901 - one linear benchmark
 
     ws_dir = out / "ws"
     ws = init_workspace(ws_dir)
-    n_train = write_dataset(tok, held_in, ws_dir / "train.jsonl", 200 if args.quick else args.samples, 192, 512, 0)
+    # Standard-library files first, so the drafter learns from the same kind of code it is evaluated on.
+    stdlib_in = held_in[:corpus["stdlib_files"] - corpus["held_out_files"]]
+    random.Random(0).shuffle(stdlib_in)
+    n_train = write_dataset(tok, stdlib_in, ws_dir / "train.jsonl", 200 if args.quick else args.samples, 192,
+                            256 if args.quick else args.sample_tokens, 0)
     n_eval = write_dataset(tok, held_out, ws_dir / "eval.jsonl", args.eval_prompts, 192, 320, 1)
     config = ws.config
     for key, value in {
         "model.path": str(model_dir), "server.device": "cuda" if gpu else "cpu",
         "model.dtype": "bfloat16" if gpu else "float32", "server.port": 30123, "dataset.path": "train.jsonl",
-        "dataset.eval_path": "eval.jsonl", "dataset.max_seq_len": 512, "extract.spool_dir": "/dev/shm/e2e-spool",
-        "extract.disk_reserve_gb": 2.0, "extract.concurrency": 16, "train.max_len": 512,
+        "dataset.eval_path": "eval.jsonl", "dataset.max_seq_len": max(512, args.sample_tokens), "extract.spool_dir": "/dev/shm/e2e-spool",
+        "extract.disk_reserve_gb": 2.0, "extract.concurrency": 16, "train.max_len": max(512, args.sample_tokens),
         "train.draft_vocab_size": 8192, "train.epochs": 1, "train.learning_rate": 3e-4, "train.log_every": 20,
         "train.save_every": 400, "evaluate.num_prompts": args.eval_prompts, "evaluate.max_new_tokens": 128,
         "evaluate.spec_steps": 3,
