@@ -187,14 +187,37 @@ def write_dataset(tok, texts: list[str], path: Path, n: int, prompt_tokens: int,
     return rows
 
 
-def follow(jobs, job_id: str, status_cmd: list[str], out: Path, tag: str) -> list[dict]:
+def screenshot(ws_dir: Path, out: Path, tag: str) -> None:
+    """The console itself, headless and read-only, at 160x50 (all six panes) while a job runs."""
+    cmd = [sys.executable, "-m", "eagle3_console", "screenshot", "-w", str(ws_dir), str(out / "shots"),
+           "--tabs", "pipeline", "--size", "160x50", "--settle", "4"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        log(f"screenshot during {tag}: timed out")
+        return
+    shot = out / "shots" / "pipeline-160x50.svg"
+    if proc.returncode == 0 and shot.exists():
+        shot.rename(out / "shots" / f"console-{tag}-160x50.svg")
+        log(f"screenshot during {tag}: {out / 'shots' / f'console-{tag}-160x50.svg'}")
+    else:
+        log(f"screenshot during {tag} failed: {proc.stderr.strip()[-300:]}")
+
+
+def follow(jobs, job_id: str, status_cmd: list[str], out: Path, tag: str, ws_dir: Path | None = None,
+           shot_after_s: float = 15.0) -> list[dict]:
     samples = 0
+    started = time.monotonic()
+    shot = ws_dir is None
     while True:
         info = jobs.get(job_id)
         if samples < 3:
             proc = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60)
             (out / f"status_{tag}_{samples}.json").write_text(proc.stdout)
             samples += 1
+        if not shot and info.state == "running" and time.monotonic() - started >= shot_after_s:
+            screenshot(ws_dir, out, tag)
+            shot = True
         if info.state not in ("starting", "running"):
             break
         time.sleep(2.0)
@@ -292,7 +315,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
 
     jobs = JobManager(ws.jobs_dir)
     job = start_extract(ws, jobs)
-    events = follow(jobs, job.id, status_cmd, out, "extract")
+    events = follow(jobs, job.id, status_cmd, out, "extract", ws_dir)
     progress = [e for e in events if e["type"] == "progress"]
     finished = [e for e in events if e["type"] == "finished"][0]
     started_t = [e for e in events if e["type"] == "started"][0]["t"]
@@ -305,7 +328,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     asyncio.run(manager.stop(grace=10))  # free the GPU for training and evaluation
 
     job = start_train(ws, jobs)
-    follow(jobs, job.id, status_cmd, out, "train")
+    follow(jobs, job.id, status_cmd, out, "train", ws_dir, shot_after_s=75.0)
     metrics = [json.loads(line) for line in (ws.drafter_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train_lines = [m for m in metrics if m.get("type", "train") == "train" and "tokens_per_s" in m]
     evals = [m for m in metrics if m.get("type") == "eval"]
