@@ -32,7 +32,17 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.train.model import Eagle3Drafter, apply_rope, rope_cos_sin
+from engine.evaluate.fastllama import (
+    MIN_CAPACITY,
+    FastLlama,
+    attend,
+    causal_offset_mask,
+    grown,
+    rms_norm,
+    rope_tables,
+    try_fast_target,
+)
+from engine.train.model import Eagle3Drafter
 
 
 class SpecDecodeError(ValueError):
@@ -97,58 +107,110 @@ def crop_cache(cache, keep: int) -> None:
 
 
 class DraftRunner:
-    """The drafter at inference: one flat KV cache (index = RoPE position), causal attention."""
+    """The drafter at inference: one flat KV cache (index = RoPE position), causal attention.
 
-    def __init__(self, drafter: Eagle3Drafter):
+    The cache is preallocated ([2, kv_heads, capacity, head_dim], doubled when full), RoPE tables
+    are built once, q/k/v and gate/up are fused, and draft tokens stay on the device
+    (`propose_token`), so a draft chain needs no host sync."""
+
+    def __init__(self, drafter: Eagle3Drafter, capacity: int = MIN_CAPACITY):
+        cfg, mid = drafter.cfg, drafter.midlayer
+        attn, mlp = mid.self_attn, mid.mlp
         self.d = drafter
-        self.keys: torch.Tensor | None = None  # [1, kv, S, hd]
-        self.values: torch.Tensor | None = None
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        with torch.no_grad():
+            self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+            self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        device = self.qkv.device
+        # As engine.train.model.rope_cos_sin computes it, so positions match training bit for bit.
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.head_dim, 2, device=device,
+                                                               dtype=torch.float32) / self.head_dim))
         self.hot_ids = drafter.d2t + torch.arange(drafter.d2t.shape[0], device=drafter.d2t.device)
+        self.length = 0
+        self.capacity = 0
+        self.cache: torch.Tensor | None = None  # [2 (k, v), kv_heads, capacity, head_dim]
+        self._reserve(capacity)
 
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[2])
+    def _reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        capacity = grown(max(self.capacity, MIN_CAPACITY), length)
+        cache = torch.zeros(2, self.kv_heads, capacity, self.head_dim, device=self.qkv.device, dtype=self.qkv.dtype)
+        if self.cache is not None:
+            cache[:, :, : self.capacity] = self.cache
+        self.cache, self.capacity = cache, capacity
+        self.cos, self.sin = rope_tables(self.inv_freq, capacity, self.qkv.dtype)
 
     def crop(self, keep: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
+        self.length = min(self.length, keep)
 
     def extend(self, input_ids: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
         """Tokens [1, T] and features [1, T, H] at the next T positions -> pre-norm outputs [1, T, H]."""
-        d, mid = self.d, self.d.midlayer
-        start = self.length
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        embeds = d.embed_tokens(input_ids).to(feature.dtype)
-        x = torch.cat([mid.input_layernorm(embeds), mid.hidden_norm(feature)], dim=-1)
-        hidden = feature + self._attend(x, positions)
-        return hidden + mid.mlp(mid.post_attention_layernorm(hidden))
+        mid = self.d.midlayer
+        t = input_ids.shape[1]
+        start, end = self.length, self.length + input_ids.shape[1]
+        self._reserve(end)
+        feature = feature[0]
+        embeds = F.embedding(input_ids[0], self.d.embed_tokens.weight).to(feature.dtype)
+        x = torch.cat([rms_norm(embeds, mid.input_layernorm.weight, mid.input_layernorm.eps),
+                       rms_norm(feature, mid.hidden_norm.weight, mid.hidden_norm.eps)], dim=-1)
+        mask = causal_offset_mask(t, start, x.device) if t > 1 and start > 0 else None
+        out = attend(F.linear(x, self.qkv), self.cache[0], self.cache[1], start, self.cos[start:end],
+                     self.sin[start:end], self.heads, self.kv_heads, self.head_dim, mask)
+        hidden = torch.addmm(feature, out, mid.self_attn.o_proj.weight.t())
+        norm = mid.post_attention_layernorm
+        gate, up = F.linear(rms_norm(hidden, norm.weight, norm.eps), self.gate_up).chunk(2, dim=-1)
+        hidden = torch.addmm(hidden, F.silu(gate) * up, mid.mlp.down_proj.weight.t())
+        self.length = end
+        return hidden[None]
 
-    def _attend(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        attn, cfg = self.d.midlayer.self_attn, self.d.cfg
-        b, t, _ = x.shape
-        hd, h, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        q = attn.q_proj(x).view(b, t, h, hd).transpose(1, 2)
-        k = attn.k_proj(x).view(b, t, kv, hd).transpose(1, 2)
-        v = attn.v_proj(x).view(b, t, kv, hd).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        start = self.length
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        keys, values = self.keys, self.values
-        if h != kv:
-            keys, values = keys.repeat_interleave(h // kv, dim=1), values.repeat_interleave(h // kv, dim=1)
-        mask = None
-        if t > 1:  # query i sits at cache index start+i and sees keys 0 .. start+i
-            rows = torch.arange(t, device=x.device)[:, None] + start
-            mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return attn.o_proj(out.transpose(1, 2).reshape(b, t, h * hd))
+    def propose_token(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy draft token (a target id) from a pre-norm output [1, 1, H], as a device tensor [1, 1]."""
+        norm = self.d.norm
+        logits = F.linear(rms_norm(hidden[0, -1:], norm.weight, norm.eps), self.d.lm_head.weight)
+        return self.hot_ids[logits.argmax(-1)].view(1, 1)
 
     def propose(self, hidden: torch.Tensor) -> int:
-        """Greedy draft token (a target id) from a pre-norm output [1, 1, H]."""
-        draft_id = self.d.logits(hidden)[0, -1].argmax()
-        return int(self.hot_ids[draft_id])
+        """The same as a Python int (one host sync)."""
+        return int(self.propose_token(hidden))
+
+
+class _FastTarget:
+    """One decode on the lean runner: the cache length is all the state a crop needs."""
+
+    def __init__(self, runner: FastLlama, capacity: int):
+        runner.reserve(capacity)
+        self.runner, self.length = runner, 0
+
+    def forward(self, input_ids: torch.Tensor, aux_layers: Sequence[int] = (), all_logits: bool = False):
+        logits, aux = self.runner.forward(input_ids, self.length, aux_layers, all_logits)
+        self.length += input_ids.shape[1]
+        return logits[0], aux
+
+    def crop(self, keep: int) -> None:
+        self.length = min(self.length, keep)
+
+
+class _HFTarget:
+    """One decode on transformers' own forward with a DynamicCache (the fallback and the reference)."""
+
+    def __init__(self, target):
+        self.target, self.cache = target, new_cache(target)
+
+    def forward(self, input_ids: torch.Tensor, aux_layers: Sequence[int] = (), all_logits: bool = False):
+        out = forward(self.target, input_ids, self.cache, hidden_states=bool(aux_layers))
+        logits = out.logits[0] if all_logits else out.logits[0, -1:]
+        return logits, (aux_features(out.hidden_states, aux_layers) if aux_layers else None)
+
+    def crop(self, keep: int) -> None:
+        crop_cache(self.cache, keep)
+
+
+def open_target(target, capacity: int):
+    """The lean runner when it reproduces this target, else transformers' forward (same interface:
+    `forward(ids [1, t], aux_layers, all_logits) -> (logits [t or 1, V], aux [1, t, 3H] | None)`)."""
+    runner = try_fast_target(target)
+    return _FastTarget(runner, capacity) if runner is not None else _HFTarget(target)
 
 
 def _sync(device: torch.device) -> None:
@@ -170,14 +232,15 @@ def greedy_decode(target, prompt_ids: Sequence[int], max_new_tokens: int,
     device = target.device
     _sync(device)
     started = time.perf_counter()
-    cache = new_cache(target)
-    ids = torch.tensor([list(prompt_ids)], device=device)
-    out = forward(target, ids, cache)
-    token = int(out.logits[0, -1].argmax())
+    session = open_target(target, len(prompt_ids) + max_new_tokens + 1)
+    logits, _ = session.forward(torch.tensor([list(prompt_ids)], device=device))
+    last = logits[-1:].argmax(-1)  # [1], stays on the device as the next input
+    token = int(last)
     tokens = [token]
     while not _stopped(token, len(tokens), max_new_tokens, stop):
-        out = forward(target, torch.tensor([[token]], device=device), cache)
-        token = int(out.logits[0, -1].argmax())
+        logits, _ = session.forward(last.view(1, 1))
+        last = logits[-1:].argmax(-1)
+        token = int(last)
         tokens.append(token)
     _sync(device)
     return DecodeResult(tokens, time.perf_counter() - started)
@@ -189,7 +252,8 @@ def speculative_decode(target, drafter: Eagle3Drafter, prompt_ids: Sequence[int]
                        on_verify: Callable[[int], None] | None = None) -> DecodeResult:
     """Greedy EAGLE-3 decoding; the output equals `greedy_decode` token for token.
 
-    `num_steps` draft tokens per verify step; `aux_layers` in SGLang numbering.
+    `num_steps` draft tokens per verify step; `aux_layers` in SGLang numbering. Drafts stay on the
+    device: one host sync per verify step (reading drafts and the target's choices together).
     """
     if not prompt_ids:
         raise SpecDecodeError("empty prompt")
@@ -201,15 +265,16 @@ def speculative_decode(target, drafter: Eagle3Drafter, prompt_ids: Sequence[int]
     _sync(device)
     started = time.perf_counter()
 
-    cache = new_cache(target)
+    capacity = len(prompt_ids) + max_new_tokens + num_steps + 2
+    session = open_target(target, capacity)
     ids = torch.tensor([list(prompt_ids)], device=device)
-    out = forward(target, ids, cache, hidden_states=True)
-    token = int(out.logits[0, -1].argmax())
+    logits, aux = session.forward(ids, aux_layers)
+    last = logits[-1:].argmax(-1).view(1, 1)  # the newest token, not yet fed to the target
+    token = int(last)
     tokens = [token]
-    runner = DraftRunner(drafter)
+    runner = DraftRunner(drafter, capacity)
     # Draft prefill: index t reads the features of token t and the embedding of token t+1.
-    shifted = torch.cat([ids[:, 1:], torch.tensor([[token]], device=device)], dim=1)
-    hidden = runner.extend(shifted, drafter.project(aux_features(out.hidden_states, aux_layers).to(dtype)))[:, -1:]
+    hidden = runner.extend(torch.cat([ids[:, 1:], last], dim=1), drafter.project(aux.to(dtype)))[:, -1:]
     committed = runner.length  # = target positions holding a feature (the last token is not fed yet)
     verify_steps, accepted = 0, [0] * num_steps
 
@@ -217,30 +282,32 @@ def speculative_decode(target, drafter: Eagle3Drafter, prompt_ids: Sequence[int]
         drafts = []
         chain = hidden
         for j in range(num_steps):
-            drafts.append(runner.propose(chain))
+            drafts.append(runner.propose_token(chain))
             if j + 1 < num_steps:
-                chain = runner.extend(torch.tensor([[drafts[-1]]], device=device), chain)
-        out = forward(target, torch.tensor([[token] + drafts], device=device), cache, hidden_states=True)
-        choices = out.logits[0].argmax(-1).tolist()
+                chain = runner.extend(drafts[-1], chain)
+        verify_ids = torch.cat([last] + drafts, dim=1)
+        logits, aux = session.forward(verify_ids, aux_layers, all_logits=True)
+        choices_t = logits.argmax(-1)  # [k + 1]
+        both = torch.cat([verify_ids[0, 1:], choices_t]).tolist()  # the one host sync of this step
+        drafted, choices = both[:num_steps], both[num_steps:]
         m = 0
-        while m < num_steps and drafts[m] == choices[m]:
+        while m < num_steps and drafted[m] == choices[m]:
             m += 1
         verify_steps += 1
         for i in range(m):
             accepted[i] += 1
         if on_verify is not None:
             on_verify(m)
-        for new in drafts[:m] + [choices[m]]:
+        for new in choices[: m + 1]:  # accepted drafts equal the target's choices, then the bonus
             token = new
             tokens.append(token)
             if _stopped(token, len(tokens), max_new_tokens, stop):
                 break
         else:  # all m+1 tokens kept: roll both caches forward to them
-            crop_cache(cache, committed + 1 + m)
+            session.crop(committed + 1 + m)
             runner.crop(committed)
-            feats = aux_features(out.hidden_states, aux_layers)[:, : m + 1].to(dtype)
-            nxt = torch.tensor([drafts[:m] + [choices[m]]], device=device)
-            hidden = runner.extend(nxt, drafter.project(feats))[:, -1:]
+            hidden = runner.extend(choices_t[None, : m + 1], drafter.project(aux[:, : m + 1].to(dtype)))[:, -1:]
+            last = choices_t[m:m + 1].view(1, 1)
             committed = runner.length
             continue
         break
