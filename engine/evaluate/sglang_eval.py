@@ -14,10 +14,7 @@ parsing only.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import socket
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,55 +126,34 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EvalServer:
-    """One SGLang process for the evaluation: own session, log file, stopped with its whole group."""
+    """One SGLang server for the evaluation, run as a supervised job of the workspace (its own
+    process group, log, crash record, and visible in the console's job list like any job)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], url: str, log_path: Path, api_key: str | None):
-        self.argv, self.env, self.url, self.log_path, self.api_key = argv, env, url, Path(log_path), api_key
-        self.proc: subprocess.Popen | None = None
+    def __init__(self, jobs, kind: str, argv: list[str], env: dict[str, str], url: str, api_key: str | None,
+                 cwd: Path):
+        self.jobs, self.kind, self.argv, self.env, self.url, self.api_key = jobs, kind, argv, env, url, api_key
+        self.cwd = cwd
+        self.job_id: str | None = None
 
     async def start(self, timeout: float) -> None:
         from engine.client import ServerClient
+        from engine.jobs import JobError
+        from engine.server.manager import ServerStartError, wait_until_ready
 
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            raise SglangEvalError(f"cannot start SGLang ({exc}); is it installed in this Python?") from None
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout
-        async with ServerClient(self.url, api_key=self.api_key, timeout=30) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    raise SglangEvalError(f"SGLang exited with code {self.proc.returncode} while starting; "
-                                          f"see {self.log_path}")
-                try:
-                    await client.health_generate()
-                    return
-                except Exception:
-                    pass
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise SglangEvalError(f"SGLang not ready after {timeout:.0f}s (stopped it); see {self.log_path}")
-                await asyncio.sleep(1.0)
+            job = await asyncio.to_thread(self.jobs.start, self.kind, self.argv, env=self.env, cwd=self.cwd)
+        except JobError as exc:
+            raise SglangEvalError(f"cannot start SGLang: {exc}") from None
+        self.job_id = job.id
+        try:
+            await wait_until_ready(self.jobs, job.id, ServerClient(self.url, api_key=self.api_key, timeout=30),
+                                   timeout)
+        except ServerStartError as exc:
+            raise SglangEvalError(f"{exc} (job {job.id}; log: {job.dir}/log)") from None
 
-    def stop(self, grace: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the group is SGLang's workers
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
+    async def stop(self, grace: float = 30.0) -> None:
+        if self.job_id is not None:
+            await self.jobs.stop(self.job_id, grace=grace)
 
 
 async def _serve_prompts(server: EvalServer, prompts: list[EvalPrompt], max_new_tokens: int,
@@ -213,6 +189,7 @@ async def _metrics_text(server: EvalServer) -> str:
 async def evaluate_sglang(workspace, export_dir: Path, prompts: list[EvalPrompt], on_phase: Callable[[str], None],
                           should_stop: Callable[[], bool] | None = None) -> tuple[list[PromptResult], list[str]]:
     """Baseline server run, then the speculative one; per-prompt results and notes."""
+    from engine.jobs import JobManager
     from engine.server.manager import ServerManager
 
     try:
@@ -231,14 +208,15 @@ async def evaluate_sglang(workspace, export_dir: Path, prompts: list[EvalPrompt]
             "speculative": speculative_argv(spec.argv, export_dir, ev.spec_steps, ev.spec_topk, ev.spec_draft_tokens)}
     replies: dict[str, list] = {}
     metrics: dict[str, str] = {}
+    jobs = JobManager(workspace.jobs_dir)
     for name, argv in runs.items():
         on_phase(name)
-        server = EvalServer(argv, spec.env, spec.url, workspace.eval_dir / f"sglang-{name}.log", spec.api_key)
+        server = EvalServer(jobs, f"eval-server-{name}", argv, spec.env, spec.url, spec.api_key, workspace.root)
         try:
             await server.start(cfg.server.startup_timeout_s)
             replies[name], metrics[name] = await _serve_prompts(server, prompts, ev.max_new_tokens, should_stop)
         finally:
-            server.stop()
+            await server.stop()
     results = []
     gauge = metrics_accept_length(metrics.get("speculative", ""))
     for prompt, (base, base_s), (spec_r, spec_s) in zip(prompts, replies["baseline"], replies["speculative"]):

@@ -154,29 +154,7 @@ class ServerManager:
         return await self.poll()
 
     async def wait_ready(self, job_id: str, url: str, timeout: float) -> None:
-        client = self.client(url)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                job = await asyncio.to_thread(self.jobs.get, job_id)
-                if job.state not in ACTIVE:
-                    tail = self.jobs.tail(job_id, 20)
-                    reason = _failure_reason(tail) or f"server exited with code {job.exit_code}"
-                    raise ServerStartError(f"server failed to start: {reason}", tail)
-                try:
-                    await client.health_generate()
-                    return
-                except Exception:
-                    pass
-                if time.monotonic() > deadline:
-                    tail = self.jobs.tail(job_id, 20)
-                    await self.jobs.stop(job_id, grace=5)
-                    raise ServerStartError(
-                        f"server not ready after {timeout:.0f}s (stopped it): see the log; raise "
-                        "server.startup_timeout_s if the model is large", tail)
-                await asyncio.sleep(0.25)
-        finally:
-            await client.aclose()
+        await wait_until_ready(self.jobs, job_id, self.client(url), timeout)
 
     async def stop(self, grace: float = 15.0) -> ServerStatus:
         self._write_record(desired="stopped")
@@ -330,6 +308,33 @@ class ServerManager:
     def logs(self, n: int = 50) -> list[str]:
         job = self.job()
         return self.jobs.tail(job.id, n) if job else []
+
+
+async def wait_until_ready(jobs: JobManager, job_id: str, client, timeout: float) -> None:
+    """Wait until the server job answers /health_generate; ServerStartError (with the log tail)
+    as soon as it exits, or after `timeout` (then it is stopped). Closes `client`."""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            job = await asyncio.to_thread(jobs.get, job_id)
+            if job.state not in ACTIVE:
+                tail = jobs.tail(job_id, 20)
+                reason = _failure_reason(tail) or f"server exited with code {job.exit_code}"
+                raise ServerStartError(f"server failed to start: {reason}", tail)
+            try:
+                await client.health_generate()
+                return
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                tail = jobs.tail(job_id, 20)
+                await jobs.stop(job_id, grace=5)
+                raise ServerStartError(
+                    f"server not ready after {timeout:.0f}s (stopped it): see the log; raise "
+                    "server.startup_timeout_s if the model is large", tail)
+            await asyncio.sleep(0.25)
+    finally:
+        await client.aclose()
 
 
 def _capture_info(info: dict[str, Any]) -> dict[str, Any]:
