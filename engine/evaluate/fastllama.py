@@ -113,9 +113,8 @@ def attend(qkv: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, star
 
 
 def grown(capacity: int, needed: int) -> int:
-    while capacity < needed:
-        capacity *= 2
-    return capacity
+    """At least doubled, so growing one position at a time copies O(n) in total."""
+    return max(needed, 2 * capacity)
 
 
 # ----------------------------------------------------------------------------- support check
@@ -239,7 +238,7 @@ class FastLlama:
         """Make room for `length` positions (cache and RoPE tables), keeping the cached entries."""
         if length <= self.capacity:
             return
-        capacity = grown(max(self.capacity, MIN_CAPACITY), length)
+        capacity = grown(self.capacity, length)
         cache = torch.zeros(len(self.layers), 2, self.kv_heads, capacity, self.head_dim,
                             device=self.device, dtype=self.dtype)
         if self.cache is not None:

@@ -134,7 +134,7 @@ class DraftRunner:
     def _reserve(self, length: int) -> None:
         if length <= self.capacity:
             return
-        capacity = grown(max(self.capacity, MIN_CAPACITY), length)
+        capacity = grown(self.capacity, length)
         cache = torch.zeros(2, self.kv_heads, capacity, self.head_dim, device=self.qkv.device, dtype=self.qkv.dtype)
         if self.cache is not None:
             cache[:, :, : self.capacity] = self.cache
