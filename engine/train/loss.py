@@ -1,44 +1,201 @@
 """The training-time-test forward: 7 unrolled steps, soft cross-entropy against the teacher,
-per-step accuracy and expected acceptance. See engine.train.data for the alignment."""
+per-step accuracy and expected acceptance. See engine.train.data for the alignment.
+
+Two implementations of the head loss (final norm -> lm_head -> soft cross-entropy):
+  fused       (default) `_FusedHeadLoss`: one pass per row chunk computes the loss, the statistics
+              and the gradients of h, norm.weight and lm_head.weight; backward only scales them.
+              The [rows, draft_vocab] logits are built once, and rows outside the accuracy mask
+              (prompt tokens, padding) are skipped.
+  checkpoint  the reference: autograd through `_chunk_stats`, recomputed in backward by
+              torch.utils.checkpoint (logits built twice).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from engine.train.data import Batch, TeacherOut
 from engine.train.model import Eagle3Drafter, shift_left
 
 STAT_FIELDS = ("loss_sum", "positions", "correct", "scored", "accept_sum", "entropy_sum")
+STEP_DECAY = 0.8  # TTT step k weighs STEP_DECAY ** k in the total loss
+CHECKPOINT_CHUNK_ROWS = 4096
+FUSED_CHUNK_ELEMENTS = 1 << 26  # rows x draft_vocab per chunk: 256 MiB per fp32 [rows, vocab] buffer
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics run in fp32 at least (fp64 stays fp64, so CPU tests can compare tightly)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def fused_chunk_rows(vocab: int) -> int:
+    """Rows per fused chunk: a fixed logits budget, a multiple of 128 rows (GEMM-friendly)."""
+    return max(128, (FUSED_CHUNK_ELEMENTS // max(1, vocab)) // 128 * 128)
+
+
+def head_compute_dtype(h: torch.Tensor, head_w: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would run the head matmul in (bf16 under GPU autocast, else the inputs' dtype)."""
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    return torch.promote_types(h.dtype, head_w.dtype)
 
 
 def _chunk_stats(h, norm_w, eps, head_w, probs, target, pos_mask, acc_mask):
     """Loss sum over pos_mask, correct greedy guesses over acc_mask, sum of min(p, q) over pos_mask."""
-    x = h.float()
+    acc = _acc_dtype(h.dtype)
+    x = h.to(acc)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     x = (norm_w * x.to(h.dtype))
-    logits = (x @ head_w.T).float()
+    logits = (x @ head_w.T).to(acc)
     logp = torch.log_softmax(logits, -1)
-    q = probs.float()
-    w = pos_mask.float()
+    q = probs.to(acc)
+    w = pos_mask.to(acc)
     loss = -((q * logp).sum(-1) * w).sum()
     with torch.no_grad():
-        correct = ((logits.argmax(-1) == target) & acc_mask).sum().float()
+        correct = ((logits.argmax(-1) == target) & acc_mask).sum().to(acc)
         accept = (torch.minimum(logp.exp(), q).sum(-1) * w).sum()
         entropy = (-(q * torch.log(q.clamp(min=1e-30))).sum(-1) * w).sum()  # loss - entropy = KL(teacher||draft)
     return loss, correct, accept, entropy
 
 
+# ---------------------------------------------------------------------------------------- fused
+
+
+def _head_pass(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps, head_w, cdtype, chunk_rows,
+               want_grads: bool):
+    """Loss total, stats [len(steps), fields] and (when want_grads) the gradients of norm_w, head_w and
+    each h for a unit upstream gradient. Math per row (the exact derivatives of the reference):
+        y = rmsnorm(h);  z = norm_w * y;  logits = z @ W.T;  loss = -w * sum_v q_v log softmax(logits)_v
+        dlogits = w * (softmax(logits) * sum_v q_v - q)   (q need not sum to 1 in bf16)
+    """
+    acc = _acc_dtype(cdtype)
+    w_c = head_w.to(cdtype)
+    g_head = torch.zeros_like(head_w) if want_grads else None
+    g_norm = torch.zeros_like(norm_w) if want_grads else None
+    g_hs = []
+    total = torch.zeros((), dtype=acc, device=head_w.device)
+    stats = []
+    for k, h, probs_k, target_k, pos_k, acc_k in zip(steps, hs, probs, targets, pos_masks, acc_masks):
+        positions = pos_k.sum().to(acc)
+        step_weight = (STEP_DECAY ** k) / positions.clamp(min=1)  # d total / d loss_sum of this step
+        keep = acc_k.nonzero().squeeze(1)  # rows outside the accuracy mask add nothing anywhere
+        dense = keep.numel() == h.shape[0]
+        g_h = (torch.empty_like(h) if dense else torch.zeros_like(h)) if want_grads else None
+        sums = torch.zeros(4, dtype=acc, device=h.device)  # loss, correct, accept, entropy
+        for start in range(0, keep.numel(), chunk_rows):
+            if dense:
+                rows = slice(start, start + chunk_rows)
+                pick = (lambda t, rows=rows: t[rows])
+            else:
+                idx = keep[start:start + chunk_rows]
+                pick = (lambda t, idx=idx: t.index_select(0, idx))
+            h_c = pick(h)
+            w_rows = pick(pos_k).to(acc)
+            x = h_c.to(acc)
+            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            y = (x * r).to(h.dtype)
+            z = (norm_w * y).to(cdtype)
+            logits = (z @ w_c.T).to(acc)
+            correct = ((logits.argmax(-1) == pick(target_k)) & pick(acc_k)).sum()
+            logp = torch.log_softmax(logits, -1)
+            del logits
+            q = pick(probs_k).to(acc)
+            tmp = q * logp
+            loss = -(tmp.sum(-1) * w_rows).sum()
+            torch.clamp(q, min=1e-30, out=tmp).log_().mul_(q)
+            entropy = (-tmp.sum(-1) * w_rows).sum()
+            p = logp.exp_()  # log-probs are done with: the buffer becomes the draft probabilities
+            torch.minimum(p, q, out=tmp)
+            accept = (tmp.sum(-1) * w_rows).sum()
+            del tmp
+            sums += torch.stack([loss, correct.to(acc), accept, entropy])
+            if not want_grads:
+                continue
+            grad_logits = p.mul_(q.sum(-1, keepdim=True)).sub_(q).mul_((w_rows * step_weight)[:, None])
+            del q
+            g_logits = grad_logits.to(cdtype)
+            del grad_logits, p
+            if g_head.dtype == cdtype:
+                g_head.addmm_(g_logits.T, z)
+            else:  # bf16 product, fp32 accumulation across chunks and steps (what autocast + autograd do)
+                g_head.add_(g_logits.T @ z)
+            g_z = (g_logits @ w_c).to(acc)
+            del g_logits
+            g_norm += (g_z * y.to(acc)).sum(0).to(g_norm.dtype)
+            g_y = (g_z * norm_w).to(h.dtype).to(acc)  # autograd rounds the grad of y to y's dtype
+            y_hat = x * r
+            g_x = r * (g_y - y_hat * (g_y * y_hat).mean(-1, keepdim=True))
+            if dense:
+                g_h[rows] = g_x.to(h.dtype)
+            else:
+                g_h.index_copy_(0, idx, g_x.to(h.dtype))
+        total = total + (STEP_DECAY ** k) * sums[0] / positions.clamp(min=1)
+        stats.append(torch.stack([sums[0], positions, sums[1], acc_k.sum().to(acc), sums[2], sums[3]]))
+        g_hs.append(g_h)
+    return total, torch.stack(stats), (g_norm, g_head, g_hs)
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """Forward computes loss, stats and all gradients; backward scales the saved gradients by the
+    upstream gradient (in place: it can run once, retain_graph is not supported)."""
+
+    @staticmethod
+    def forward(ctx, norm_w, head_w, eps, cdtype, chunk_rows, steps, *tensors):
+        n = len(steps)
+        hs, probs, targets, pos_masks, acc_masks = (tensors[i * n:(i + 1) * n] for i in range(5))
+        with torch.autocast(hs[0].device.type, enabled=False):  # dtypes are chosen explicitly
+            total, stats, grads = _head_pass(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps,
+                                             head_w, cdtype, chunk_rows, want_grads=True)
+        ctx.grads = grads
+        ctx.n_inputs = 6 + len(tensors)
+        ctx.mark_non_differentiable(stats)
+        return total, stats
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_total, grad_stats):
+        if ctx.grads is None:
+            raise RuntimeError("the fused head loss was back-propagated twice (retain_graph is not supported)")
+        g_norm, g_head, g_hs = ctx.grads
+        ctx.grads = None  # hand the buffers over: AccumulateGrad can adopt them without a copy
+        scale = grad_total.to(g_head.dtype)
+        for g in (g_norm, g_head, *g_hs):
+            g.mul_(scale)
+        grads = [g_norm, g_head, None, None, None, None, *g_hs]
+        return tuple(grads + [None] * (ctx.n_inputs - len(grads)))
+
+
+def fused_head_loss(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps, head_w, cdtype,
+                    chunk_rows: int):
+    """(total loss, stats [len(steps), fields]) over the given TTT steps; see _head_pass."""
+    tensors = (*hs, *probs, *targets, *pos_masks, *acc_masks)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (norm_w, head_w, *hs))
+    if needs_grad:
+        return _FusedHeadLoss.apply(norm_w, head_w, eps, cdtype, chunk_rows, tuple(steps), *tensors)
+    with torch.no_grad(), torch.autocast(head_w.device.type, enabled=False):
+        total, stats, _ = _head_pass(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps, head_w,
+                                     cdtype, chunk_rows, want_grads=False)
+    return total, stats
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
 class TTTModel(nn.Module):
     """Wraps the drafter so one forward() covers the whole unrolled step (what DDP needs)."""
 
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, backend: str = "sdpa", chunk_rows: int = 4096):
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, backend: str = "sdpa", chunk_rows: int | None = None,
+                 fused_loss: bool = True):
         super().__init__()
         self.drafter = drafter
         self.ttt_steps = ttt_steps
         self.backend = backend
-        self.chunk_rows = chunk_rows
+        self.fused_loss = fused_loss
+        self.chunk_rows = chunk_rows or (fused_chunk_rows(drafter.cfg.draft_vocab_size) if fused_loss
+                                         else CHECKPOINT_CHUNK_ROWS)
 
     def forward(self, batch: Batch, teacher: TeacherOut):
         """Returns (weighted loss, stats [steps, len(STAT_FIELDS)] detached)."""
@@ -46,24 +203,37 @@ class TTTModel(nn.Module):
         b, t = batch.input_ids.shape
         hidden = d.project(batch.aux.to(d.fc.weight.dtype) if not torch.is_autocast_enabled() else batch.aux)
         cache: list = []
-        total = hidden.new_zeros((), dtype=torch.float32)
-        stats = []
+        scored = []  # (step, rows, probs, target, pos_mask, acc_mask) of the steps with positions to score
         for k in range(self.ttt_steps):
             hidden = d.step(shift_left(batch.input_ids, k + 1), hidden, k, cache, self.backend)
             n = t - k - 1  # draft positions with a teacher position s = t+k+1 inside the record
             if n <= 0:
-                stats.append(torch.zeros(len(STAT_FIELDS), device=hidden.device))
                 continue
-            rows = hidden[:, :n].reshape(b * n, -1)
-            probs = teacher.probs[:, k + 1:].reshape(b * n, -1)
-            target = teacher.target[:, k + 1:].reshape(b * n)
             acc_mask = teacher.keep[:, k + 1:].reshape(b * n)
-            pos_mask = acc_mask & (target >= 0)  # greedy target token outside the draft vocab: no loss
-            loss_sum = total.new_zeros(())
-            correct = total.new_zeros(())
-            accept = total.new_zeros(())
-            entropy = total.new_zeros(())
-            for start in range(0, b * n, self.chunk_rows):
+            target = teacher.target[:, k + 1:].reshape(b * n)
+            scored.append((k, hidden[:, :n].reshape(b * n, -1), teacher.probs[:, k + 1:].reshape(b * n, -1),
+                           target, acc_mask & (target >= 0), acc_mask))  # greedy token outside the vocab: no loss
+        stats = torch.zeros(self.ttt_steps, len(STAT_FIELDS), device=hidden.device)
+        if not scored:
+            return hidden.new_zeros((), dtype=torch.float32), stats
+        if self.fused_loss:
+            rows0 = scored[0][1]
+            total, got = fused_head_loss(*zip(*scored), d.norm.weight, d.norm.eps, d.lm_head.weight,
+                                         head_compute_dtype(rows0, d.lm_head.weight), self.chunk_rows)
+        else:
+            total, got = self._checkpointed(scored)
+        stats = stats.to(got.dtype)
+        stats[[s[0] for s in scored]] = got
+        return total, stats
+
+    def _checkpointed(self, scored):
+        """The reference path: autograd through _chunk_stats, recomputed in backward."""
+        d = self.drafter
+        total = torch.zeros((), dtype=torch.float32, device=scored[0][1].device)
+        stats = []
+        for k, rows, probs, target, pos_mask, acc_mask in scored:
+            loss_sum = correct = accept = entropy = 0.0
+            for start in range(0, rows.shape[0], self.chunk_rows):
                 sl = slice(start, start + self.chunk_rows)
                 args = (rows[sl], d.norm.weight, d.norm.eps, d.lm_head.weight, probs[sl], target[sl], pos_mask[sl],
                         acc_mask[sl])
@@ -73,9 +243,9 @@ class TTTModel(nn.Module):
                 else:
                     l_, c_, a_, e_ = _chunk_stats(*args)
                 loss_sum, correct, accept, entropy = loss_sum + l_, correct + c_, accept + a_, entropy + e_
-            positions = pos_mask.sum().float()
-            total = total + (0.8 ** k) * loss_sum / positions.clamp(min=1)
-            stats.append(torch.stack([loss_sum.detach(), positions, correct, acc_mask.sum().float(), accept,
+            positions = pos_mask.sum().to(l_.dtype)
+            total = total + (STEP_DECAY ** k) * loss_sum / positions.clamp(min=1)
+            stats.append(torch.stack([loss_sum.detach(), positions, correct, acc_mask.sum().to(l_.dtype), accept,
                                       entropy]))
         return total, torch.stack(stats)
 
@@ -91,6 +261,6 @@ def summarize(stats: torch.Tensor) -> dict:
     for a in acc:
         run *= a
         sim += run
-    weighted = sum((0.8 ** k) * v for k, v in enumerate(loss))
+    weighted = sum((STEP_DECAY ** k) * v for k, v in enumerate(loss))
     return {"loss": weighted, "loss_pos": loss, "kl_pos": kl, "acc": acc, "accept": accept, "sim_al": sim,
             "positions": int(s[0, 3])}
