@@ -41,6 +41,27 @@ def load_target_embedding(model_dir: Path) -> torch.Tensor:
     raise LmHeadError(f"{model_dir}: no embedding tensor (looked for {', '.join(EMBED_NAMES)})")
 
 
+def build_adamw(params, lr: float, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW (no weight decay). Fused on CUDA by default: one kernel per step instead of foreach's chains,
+    which also allocate parameter-sized fp32 temporaries at the step's peak."""
+    params = list(params)
+    if fused is None:
+        fused = bool(params) and all(p.is_cuda for p in params)
+    if fused:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+def place_drafter(model: Eagle3Drafter, device: torch.device | str) -> Eagle3Drafter:
+    """Move the drafter to `device`. On CUDA the frozen target embedding is held in bf16 (half of 2 GB at a
+    128k vocabulary): it only feeds a lookup whose result is cast to the bf16 compute dtype, and the
+    target ships it in bf16. Trainable weights stay fp32 (the optimizer's master copy)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        model.embed_tokens.to(torch.bfloat16)  # before the move: the fp32 copy never reaches the GPU
+    return model.to(device)
+
+
 def lr_factor(step: int, total: int, warmup: int) -> float:
     if warmup and step < warmup:
         return (step + 1) / warmup
@@ -128,7 +149,7 @@ class Trainer:
         with torch.no_grad():
             self.model.embed_tokens.weight.copy_(embed.float())
             self.model.set_vocab(vocab.d2t, vocab.t2d)
-        self.model.to(self.device)
+        place_drafter(self.model, self.device)
         self.gpu = self.device.type == "cuda"
         self.teacher = Teacher(head.to(self.device, torch.bfloat16 if self.gpu else torch.float32),
                                vocab.hot_ids)
@@ -139,8 +160,7 @@ class Trainer:
 
             self.ddp = DistributedDataParallel(self.ttt, device_ids=[self.device.index] if self.gpu else None,
                                                broadcast_buffers=False)
-        self.optim = torch.optim.AdamW(self.model.trainable_parameters(), lr=self.cfg.learning_rate,
-                                       weight_decay=0.0)
+        self.optim = build_adamw(self.model.trainable_parameters(), self.cfg.learning_rate)
         self.steps_per_epoch = self.data.batches_per_epoch(self.cfg.batch_size, self.world)
         self.total_steps = self.steps_per_epoch * self.cfg.epochs
         warmup = int(self.cfg.warmup_ratio * self.total_steps)
@@ -260,8 +280,8 @@ class Trainer:
 
     def train_step(self, batch) -> tuple[torch.Tensor, float]:
         self.model.train()
+        self.optim.zero_grad(set_to_none=True)  # before the forward: last step's grads are not held through it
         loss, stats = self._forward(batch)
-        self.optim.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.trainable_parameters(), self.cfg.grad_clip or 1e9)
         self.optim.step()
