@@ -20,6 +20,11 @@ this is exactly the training-time-test attention (engine.train.attention), which
 Aux layers are SGLang ids: SGLang id j = output of decoder layer j-1 = transformers
 `hidden_states[j]` (index 0 is the embedding output). The last index (post final norm) is not
 an aux state.
+
+Speed: both decodes run the target through `engine.evaluate.fastllama` (a lean forward over a
+static KV cache) when it reproduces the model, else through transformers' forward with a
+DynamicCache; the baseline and speculative decoding always use the same one. Draft tokens stay on
+the device, so a verify step costs one host sync (greedy: one per token).
 """
 
 from __future__ import annotations
