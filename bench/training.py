@@ -1,20 +1,31 @@
 """Drafter training throughput at Llama-3.1-8B drafter shapes on one GPU.
 
-    python bench/training.py [--lengths 2048 4096 16384] [--steps 6] [--backend flex|sdpa]
+    python bench/training.py [--lengths 2048 4096 16384] [--steps 7] [--backend flex|sdpa]
+                             [--loss fused|checkpoint] [--optim fused|foreach] [--embed bf16|fp32]
+                             [--compare] [--profile] [--cpu-smoke]
 
 Random records (batch 1, bf16 states), the real training step of engine.train (teacher over the
 full 128,256-token LM head, 7 TTT steps, AdamW on fp32 master weights, bf16 autocast). Reports
-steady-state tokens/s, achieved TFLOP/s (model FLOPs, counted below) against the bf16 matmul rate
-measured in the same run, and peak memory. SpecForge reference: 13,100 tok/s at 2048 and 15,900 at
-4096 with 13.1 / 17.8 GiB peak; goal >= 1.25x.
+steady-state tokens/s against SpecForge, achieved TFLOP/s (model FLOPs, counted below) against
+the bf16 matmul rate measured in the same run, and peak allocated memory against SpecForge's.
+SpecForge reference: 13,100 tok/s at 2048 and 15,900 at 4096 with 13.1 / 17.8 GiB peak; goal
+>= 1.25x the tokens/s with no more memory.
+
+  --compare     per length, first the previous implementation (checkpointed loss, foreach AdamW,
+                fp32 embedding, grads zeroed after the forward), then the configuration asked for
+  --profile     after timing, one more step under torch.profiler: the 15 CUDA kernels with the most
+                total time (on CPU: the 15 ops with the most self time)
+  --cpu-smoke   tiny shapes on the CPU, to check that the script runs (figures mean nothing)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -22,12 +33,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from engine.train.data import Batch, Teacher  # noqa: E402
+from engine.train.loop import build_adamw, place_drafter  # noqa: E402
 from engine.train.loss import TTTModel  # noqa: E402
 from engine.train.model import DraftConfig, Eagle3Drafter  # noqa: E402
 
 SHAPES = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
               vocab_size=128256, draft_vocab_size=32000, rope_theta=500000.0, max_position_embeddings=131072,
               aux_layers_sglang=[2, 16, 29])
+SMOKE_SHAPES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
+                    vocab_size=1000, draft_vocab_size=256, aux_layers_sglang=[2, 4, 6])
+SPECFORGE = {2048: (13100.0, 13.1), 4096: (15900.0, 17.8)}  # tokens/s, peak GiB
+GOAL = 1.25
+
+
+@dataclass(frozen=True)
+class Variant:
+    loss: str = "fused"  # fused | checkpoint
+    optim: str = "fused"  # fused | foreach
+    embed: str = "bf16"  # bf16 | fp32 (the frozen embedding on the GPU)
+    early_zero_grad: bool = True  # grads freed before the forward instead of after it
+
+    @property
+    def label(self) -> str:
+        return f"loss={self.loss} optim={self.optim} embed={self.embed} zero_grad={'early' if self.early_zero_grad else 'late'}"
+
+
+LEGACY = Variant("checkpoint", "foreach", "fp32", False)
 
 
 def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
@@ -58,76 +89,182 @@ def model_flops(cfg: DraftConfig, t: int, steps: int) -> float:
     return steps * per_step_tokens + attn + fc + teacher
 
 
-def run_length(t: int, steps: int, iters: int, backend: str) -> dict:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(cfg: DraftConfig, t: int, steps: int, backend: str, variant: Variant, device: torch.device,
+          chunk_rows: int | None):
+    """Model, teacher, optimizer and one random record; returns the training-step closure."""
+    gpu = device.type == "cuda"
     torch.manual_seed(0)
-    cfg = DraftConfig(**SHAPES)
-    model = Eagle3Drafter(cfg).cuda()
+    model = Eagle3Drafter(cfg)
     hot = torch.sort(torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]).values
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[hot] = True
     model.set_vocab(hot - torch.arange(cfg.draft_vocab_size), t2d)
-    teacher = Teacher(torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.02,
-                      hot)
-    ttt = TTTModel(model, steps, backend)
-    optim = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, weight_decay=0.0)
+    if variant.embed == "bf16":
+        place_drafter(model, device)
+    else:
+        model.to(device)
+    head_dtype = torch.bfloat16 if gpu else torch.float32
+    teacher = Teacher(torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype) * 0.02, hot)
+    ttt = TTTModel(model, steps, backend, chunk_rows=chunk_rows, fused_loss=variant.loss == "fused")
+    params = model.trainable_parameters()
+    if variant.optim == "fused" and gpu:
+        optim = build_adamw(params, 1e-4, fused=True)
+    else:
+        optim = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, foreach=True)
     h = cfg.hidden_size
+    state_dtype = torch.bfloat16 if gpu else torch.float32
     batch = Batch(torch.randint(0, cfg.vocab_size, (1, t)), torch.ones(1, t, dtype=torch.bool),
-                  torch.randn(1, t, 3 * h, dtype=torch.bfloat16), torch.randn(1, t, h, dtype=torch.bfloat16),
+                  torch.randn(1, t, 3 * h, dtype=state_dtype), torch.randn(1, t, h, dtype=state_dtype),
                   torch.tensor([t]))
-    torch.cuda.reset_peak_memory_stats()
 
-    def one_step():
-        b = batch.to("cuda")
-        out = teacher(b, torch.bfloat16)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    def one_step() -> torch.Tensor:
+        if variant.early_zero_grad:
+            optim.zero_grad(set_to_none=True)
+        b = batch.to(device)
+        out = teacher(b, torch.bfloat16 if gpu else torch.float32)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=gpu):
             loss, _ = ttt(b, out)
-        optim.zero_grad(set_to_none=True)
+        if not variant.early_zero_grad:
+            optim.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
         optim.step()
+        return loss.detach()
 
-    for _ in range(2):  # compile + allocator warm-up
+    return one_step
+
+
+def top_kernels(prof, device: torch.device, n: int = 15) -> list[dict]:
+    """The n CUDA kernels with the most total time (on CPU: the ops with the most self time)."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for event in prof.key_averages():
+        if device.type == "cuda":
+            if event.device_type != DeviceType.CUDA:
+                continue
+            us = getattr(event, "device_time_total", None)
+            us = event.cuda_time_total if us is None else us
+        else:
+            us = event.self_cpu_time_total
+        rows.append({"name": event.key, "ms": us / 1e3, "calls": event.count})
+    total = sum(r["ms"] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r["ms"])
+    for r in rows:
+        r["share"] = r["ms"] / total
+    return rows[:n]
+
+
+def profile_step(one_step, device: torch.device) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         one_step()
-    torch.cuda.synchronize()
+        _sync(device)
+    return top_kernels(prof, device)
+
+
+def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, variant: Variant,
+               device: torch.device, chunk_rows: int | None, profile: bool) -> dict:
+    gpu = device.type == "cuda"
+    one_step = build(cfg, t, steps, backend, variant, device, chunk_rows)
+    if gpu:  # the peak from here on: resident weights, optimizer state and the steps themselves
+        torch.cuda.reset_peak_memory_stats(device)
+    first_loss = float(one_step())  # compile + allocator warm-up; same seed, so variants compare
+    one_step()
+    _sync(device)
     start = time.perf_counter()
     for _ in range(iters):
         one_step()
-    torch.cuda.synchronize()
+    _sync(device)
     seconds = (time.perf_counter() - start) / iters
-    result = {"tokens": t, "step_s": seconds, "tokens_per_s": t / seconds,
-              "tflops": model_flops(cfg, t, steps) / seconds / 1e12,
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    del model, teacher, ttt, optim
-    torch.cuda.empty_cache()
+    result = {"tokens": t, "variant": asdict(variant), "step_s": seconds, "tokens_per_s": t / seconds,
+              "tflops": model_flops(cfg, t, steps) / seconds / 1e12, "first_loss": first_loss,
+              "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
+    if profile:
+        result["kernels"] = profile_step(one_step, device)
+    del one_step
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
     return result
 
 
+def format_row(r: dict, peak_tflops: float | None, tag: str) -> str:
+    ref = SPECFORGE.get(r["tokens"])
+    line = f"T={r['tokens']:6d}  {tag:6s} {r['tokens_per_s']:9.0f} tok/s"
+    line += f"  {r['tokens_per_s'] / ref[0]:5.2f}x SpecForge (goal {GOAL:.2f}x)" if ref else "  (no SpecForge figure)"
+    if r["peak_gib"] is not None:
+        line += f"  peak {r['peak_gib']:5.1f} GiB"
+        if ref:
+            line += f" ({r['peak_gib'] - ref[1]:+5.1f} vs SpecForge {ref[1]:.1f})"
+    else:
+        line += "  peak n/a (CPU)"
+    if peak_tflops:
+        line += f"  {r['tflops']:6.1f} TFLOP/s ({100 * r['tflops'] / peak_tflops:4.1f}% of matmul)"
+    return line + f"  loss0 {r['first_loss']:.5f}"
+
+
+def print_kernels(rows: list[dict], gpu: bool) -> None:
+    print(f"    top {len(rows)} {'CUDA kernels by total time' if gpu else 'CPU ops by self time'} (one step):")
+    for r in rows:
+        print(f"    {r['ms']:9.2f} ms {100 * r['share']:5.1f}% {r['calls']:6d}x  {r['name'][:110]}")
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 16384])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="default 2048 4096 16384")
     parser.add_argument("--steps", type=int, default=7, help="TTT steps")
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--backend", default="flex", choices=["flex", "sdpa"])
+    parser.add_argument("--loss", default="fused", choices=["fused", "checkpoint"])
+    parser.add_argument("--optim", default="fused", choices=["fused", "foreach"])
+    parser.add_argument("--embed", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--zero-grad", default="early", choices=["early", "late"])
+    parser.add_argument("--chunk-rows", type=int, default=None, help="head-loss rows per chunk (default: auto)")
+    parser.add_argument("--compare", action="store_true", help="also run the previous implementation")
+    parser.add_argument("--profile", action="store_true", help="top 15 CUDA kernels of one step per length")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/training.py needs a CUDA GPU")
-        return 2
-    peak = matmul_tflops()
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 matmul {peak:.0f} TFLOP/s")
+    variant = Variant(args.loss, args.optim, args.embed, args.zero_grad == "early")
+    variants = [("old", LEGACY), ("new", variant)] if args.compare else [("run", variant)]
+    if args.cpu_smoke:
+        device, cfg = torch.device("cpu"), DraftConfig(**SMOKE_SHAPES)
+        lengths, backend, iters, peak = args.lengths or [64, 128], "sdpa", min(args.iters, 2), None
+        print(f"CPU smoke  torch {torch.__version__}  tiny drafter (hidden {cfg.hidden_size}, draft vocab "
+              f"{cfg.draft_vocab_size}): figures check that the script runs, nothing more")
+    else:
+        if not torch.cuda.is_available():
+            print("bench/training.py needs a CUDA GPU (or --cpu-smoke)")
+            return 2
+        device, cfg = torch.device("cuda"), DraftConfig(**SHAPES)
+        lengths, backend, iters = args.lengths or [2048, 4096, 16384], args.backend, args.iters
+        peak = matmul_tflops()
+        print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 matmul {peak:.0f} TFLOP/s")
+    for tag, v in variants:
+        print(f"  {tag}: {v.label}")
     rows = []
-    for t in args.lengths:
-        try:
-            r = run_length(t, args.steps, args.iters, args.backend)
-        except torch.OutOfMemoryError as exc:
-            r = {"tokens": t, "error": f"OOM: {str(exc).splitlines()[0]}"}
-            torch.cuda.empty_cache()
-        rows.append(r)
-        if "error" in r:
-            print(f"T={t:6d}  {r['error']}")
-        else:
-            print(f"T={t:6d}  {r['tokens_per_s']:9.0f} tok/s  {r['tflops']:6.1f} TFLOP/s "
-                  f"({100 * r['tflops'] / peak:4.1f}% of matmul)  peak {r['peak_gib']:5.1f} GiB", flush=True)
+    for t in lengths:
+        for tag, v in variants:
+            try:
+                r = run_length(cfg, t, args.steps, iters, backend, v, device, args.chunk_rows, args.profile)
+            except torch.OutOfMemoryError as exc:
+                r = {"tokens": t, "variant": asdict(v), "error": f"OOM: {str(exc).splitlines()[0]}"}
+                torch.cuda.empty_cache()
+            rows.append(r)
+            if "error" in r:
+                print(f"T={t:6d}  {tag:6s} {r['error']}", flush=True)
+                continue
+            print(format_row(r, peak, tag), flush=True)
+            if "kernels" in r:
+                print_kernels(r["kernels"], device.type == "cuda")
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_tflops": peak, "rows": rows}, indent=1))
     return 0
