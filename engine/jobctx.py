@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from engine.atomic import append_line, write_json
+from engine.jsonfile import read_json_object
 
 JOB_DIR_ENV = "EAGLE3_JOB_DIR"
 RECORD_FILE = "job.json"
@@ -42,16 +43,8 @@ class JobRecordError(RuntimeError):
 
 
 def read_record(job_dir: Path) -> dict[str, Any]:
-    path = Path(job_dir) / RECORD_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise JobRecordError(f"no job record at {path}") from None
-    except (OSError, ValueError) as exc:
-        raise JobRecordError(f"job record {path} is unreadable ({exc}); inspect or remove that folder") from None
-    if not isinstance(data, dict):
-        raise JobRecordError(f"job record {path} is not a JSON object; inspect or remove that folder")
-    return data
+    return read_json_object(Path(job_dir) / RECORD_FILE, JobRecordError, "job record",
+                            "; inspect or remove that folder")
 
 
 def update_record(job_dir: Path, **fields: Any) -> dict[str, Any]:

@@ -14,14 +14,14 @@ Conventions (SGLang's, so local and SGLang numbers compare):
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from engine import atomic
+from engine.jsonfile import read_json_object
 
 REPORT = "report.json"
 VERSION = 1
@@ -167,13 +167,8 @@ def write_report(eval_dir: Path, report: dict[str, Any]) -> Path:
 
 def read_report(eval_dir: Path) -> dict[str, Any]:
     path = Path(eval_dir) / REPORT
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ReportError(f"no evaluation report at {path}") from None
-    except (OSError, ValueError) as exc:
-        raise ReportError(f"{path} is unreadable ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("overall"), dict):
+    data = read_json_object(path, ReportError, "evaluation report", "; run the evaluate stage again")
+    if not isinstance(data.get("overall"), dict):
         raise ReportError(f"{path} is not an evaluation report (no 'overall' section)")
     return data
 
