@@ -104,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="draft tokens per verify step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=200, help="calls per step timing")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models run best on one)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -81,24 +81,24 @@ def causal_offset_mask(t: int, start: int, device) -> torch.Tensor:
     return torch.arange(start + t, device=device)[None, :] <= rows
 
 
-def attend(qkv: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, start: int,
+def attend(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
            cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
            mask: torch.Tensor | None) -> torch.Tensor:
     """Fused projections [t, (h + 2kv) * hd] at positions start.. -> attention output [t, h * hd].
 
-    RoPE on q and k, the new k/v written into the caches [kv, capacity, hd], SDPA over the first
-    start + t cache entries. `mask` is None for one token or a prefill from position 0."""
+    RoPE on q and k (cos/sin [t, hd]), the new k/v written into the caches [1, kv, capacity, hd],
+    SDPA over the first start + t cache entries. `mask` is None for one token or a prefill from
+    position 0. Head-major views throughout: a decode step is dominated by per-op overhead."""
     t = qkv.shape[0]
     end = start + t
-    qkv = qkv.view(t, heads + 2 * kv_heads, head_dim)
-    qk = qkv[:, : heads + kv_heads]
-    half = head_dim // 2
-    rotated = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
-    qk = torch.addcmul(qk * cos[:, None], rotated, sin[:, None])
-    cache_k[:, start:end].copy_(qk[:, heads:].transpose(0, 1))
-    cache_v[:, start:end].copy_(qkv[:, heads + kv_heads:].transpose(0, 1))
-    q = qk[:, :heads].transpose(0, 1)[None]
-    keys, values = cache_k[None, :, :end], cache_v[None, :, :end]
+    qk, v = qkv.view(t, heads + 2 * kv_heads, head_dim).transpose(0, 1).split([heads + kv_heads, kv_heads])
+    first, second = qk.chunk(2, dim=-1)
+    qk = torch.addcmul(qk * cos, torch.cat([second, first], dim=-1), sin)  # [n, t, hd]
+    q, k = qk.split([heads, kv_heads])
+    keys.narrow(2, start, t).copy_(k)
+    values.narrow(2, start, t).copy_(v)
+    q = q.unsqueeze(0)
+    keys, values = keys.narrow(2, 0, end), values.narrow(2, 0, end)
     causal = mask is None and t > 1
     if heads == kv_heads:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
@@ -201,32 +201,45 @@ class FastLlama:
         self.final_norm, self.final_eps = inner.norm.weight, _norm_eps(inner.norm)
         self.lm_head = model.lm_head.weight
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        self.eps = [(_norm_eps(l.input_layernorm), _norm_eps(l.post_attention_layernorm)) for l in self.layers]
         self.inv_freq = inner.rotary_emb.inv_freq.detach().float().clone()
-        self.qkv, self.gate_up = self._fuse()
+        self.views: list[tuple[torch.Tensor, int]] = []  # (HF parameter, where its data must start)
+        self.blocks = self._blocks()
         self.capacity = 0
-        self.cache: torch.Tensor | None = None  # [layers, 2 (k, v), kv_heads, capacity, head_dim]
+        self.cache: torch.Tensor | None = None  # [layers, 2 (k, v), 1, kv_heads, capacity, head_dim]
         self.cos = self.sin = None
         self.reserve(MIN_CAPACITY)
 
-    def _fuse(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """One [q; k; v] and one [gate; up] weight per layer; the HF parameters become views of them."""
-        qkv, gate_up = [], []
-        self.views: list[tuple[torch.Tensor, int]] = []  # (HF parameter, where its view must start)
+    def _blocks(self) -> list[tuple]:
+        """Per layer: (norm weight, eps, [q; k; v], o^T, norm weight, eps, [gate; up], down^T).
+
+        The fused weights become the storage of the HF parameters (rebound as views), so nothing
+        is held twice and in-place edits reach both paths. Attribute lookups on modules are done
+        here once rather than in every step."""
+        blocks = []
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                for mods, out in (((attn.q_proj, attn.k_proj, attn.v_proj), qkv),
-                                  ((mlp.gate_proj, mlp.up_proj), gate_up)):
-                    fused = torch.cat([m.weight.detach() for m in mods], dim=0)
+                fused = []
+                for mods in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                    weight = torch.cat([m.weight.detach() for m in mods], dim=0)
                     row = 0
                     for m in mods:
                         rows = m.weight.shape[0]
-                        m.weight.data = fused[row:row + rows]
-                        self.views.append((m.weight, m.weight.data_ptr()))
+                        m.weight.data = weight[row:row + rows]
                         row += rows
-                    out.append(fused)
-        return qkv, gate_up
+                    fused.append(weight)
+                for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                          mlp.down_proj):
+                    self.views.append((m.weight, m.weight.data_ptr()))
+                blocks.append((layer.input_layernorm.weight, _norm_eps(layer.input_layernorm), fused[0],
+                               attn.o_proj.weight.detach().t(), layer.post_attention_layernorm.weight,
+                               _norm_eps(layer.post_attention_layernorm), fused[1],
+                               mlp.down_proj.weight.detach().t()))
+        return blocks
+
+    @property
+    def qkv(self) -> list[torch.Tensor]:
+        return [block[2] for block in self.blocks]
 
     def is_current(self) -> bool:
         """False once the model's parameters were moved or replaced (then a new runner is needed)."""
@@ -239,11 +252,12 @@ class FastLlama:
         if length <= self.capacity:
             return
         capacity = grown(self.capacity, length)
-        cache = torch.zeros(len(self.layers), 2, self.kv_heads, capacity, self.head_dim,
+        cache = torch.zeros(len(self.layers), 2, 1, self.kv_heads, capacity, self.head_dim,
                             device=self.device, dtype=self.dtype)
         if self.cache is not None:
-            cache[:, :, :, : self.capacity] = self.cache
+            cache[..., : self.capacity, :] = self.cache
         self.cache, self.capacity = cache, capacity
+        self.layer_caches = [(cache[i, 0], cache[i, 1]) for i in range(len(self.layers))]
         self.cos, self.sin = rope_tables(self.inv_freq.to(self.device), capacity, self.dtype)
 
     def forward(self, input_ids: torch.Tensor, start_pos: int, aux_layers: Sequence[int] = (),
@@ -263,15 +277,13 @@ class FastLlama:
             raise ValueError(f"aux layers {list(aux_layers)} must lie in 0..{len(self.layers) - 1}")
         captured = {0: x} if 0 in wanted else {}
         h, kv, hd = self.heads, self.kv_heads, self.head_dim
-        for i, layer in enumerate(self.layers):
-            eps_in, eps_post = self.eps[i]
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = F.linear(rms_norm(x, layer.input_layernorm.weight, eps_in), self.qkv[i])
-            out = attend(qkv, self.cache[i, 0], self.cache[i, 1], start_pos, cos, sin, h, kv, hd, mask)
-            x = torch.addmm(x, out, attn.o_proj.weight.t())
-            gate, up = F.linear(rms_norm(x, layer.post_attention_layernorm.weight, eps_post),
-                                self.gate_up[i]).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, mlp.down_proj.weight.t())
+        for i, (norm_in, eps_in, w_qkv, wo_t, norm_post, eps_post, w_gate_up, wd_t) in enumerate(self.blocks):
+            keys, values = self.layer_caches[i]
+            out = attend(F.linear(rms_norm(x, norm_in, eps_in), w_qkv), keys, values, start_pos, cos, sin,
+                         h, kv, hd, mask)
+            x = torch.addmm(x, out, wo_t)
+            gate, up = F.linear(rms_norm(x, norm_post, eps_post), w_gate_up).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, wd_t)
             if i + 1 in wanted:
                 captured[i + 1] = x
         last = x if all_logits else x[-1:]

@@ -114,9 +114,10 @@ def crop_cache(cache, keep: int) -> None:
 class DraftRunner:
     """The drafter at inference: one flat KV cache (index = RoPE position), causal attention.
 
-    The cache is preallocated ([2, kv_heads, capacity, head_dim], doubled when full), RoPE tables
-    are built once, q/k/v and gate/up are fused, and draft tokens stay on the device
-    (`propose_token`), so a draft chain needs no host sync."""
+    The cache is preallocated ([2, 1, kv_heads, capacity, head_dim], at least doubled when full),
+    RoPE tables are built once, q/k/v and gate/up are fused, and draft tokens stay on the device
+    (`propose_token`), so a draft chain needs no host sync. Weights are read when the runner is
+    made (one runner per decode)."""
 
     def __init__(self, drafter: Eagle3Drafter, capacity: int = MIN_CAPACITY):
         cfg, mid = drafter.cfg, drafter.midlayer
@@ -126,6 +127,12 @@ class DraftRunner:
         with torch.no_grad():
             self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
             self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        self.o_t, self.down_t = attn.o_proj.weight.detach().t(), mlp.down_proj.weight.detach().t()
+        self.embed = drafter.embed_tokens.weight.detach()
+        self.norms = {name: (norm.weight.detach(), norm.eps) for name, norm in (
+            ("input", mid.input_layernorm), ("hidden", mid.hidden_norm), ("post", mid.post_attention_layernorm),
+            ("final", drafter.norm))}
+        self.lm_head = drafter.lm_head.weight.detach()
         device = self.qkv.device
         # As engine.train.model.rope_cos_sin computes it, so positions match training bit for bit.
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.head_dim, 2, device=device,
@@ -133,17 +140,19 @@ class DraftRunner:
         self.hot_ids = drafter.d2t + torch.arange(drafter.d2t.shape[0], device=drafter.d2t.device)
         self.length = 0
         self.capacity = 0
-        self.cache: torch.Tensor | None = None  # [2 (k, v), kv_heads, capacity, head_dim]
+        self.cache: torch.Tensor | None = None  # [2 (k, v), 1, kv_heads, capacity, head_dim]
         self._reserve(capacity)
 
     def _reserve(self, length: int) -> None:
         if length <= self.capacity:
             return
         capacity = grown(self.capacity, length)
-        cache = torch.zeros(2, self.kv_heads, capacity, self.head_dim, device=self.qkv.device, dtype=self.qkv.dtype)
+        cache = torch.zeros(2, 1, self.kv_heads, capacity, self.head_dim, device=self.qkv.device,
+                            dtype=self.qkv.dtype)
         if self.cache is not None:
-            cache[:, :, : self.capacity] = self.cache
+            cache[..., : self.capacity, :] = self.cache
         self.cache, self.capacity = cache, capacity
+        self.keys, self.values = cache[0], cache[1]
         self.cos, self.sin = rope_tables(self.inv_freq, capacity, self.qkv.dtype)
 
     def crop(self, keep: int) -> None:
@@ -151,28 +160,25 @@ class DraftRunner:
 
     def extend(self, input_ids: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
         """Tokens [1, T] and features [1, T, H] at the next T positions -> pre-norm outputs [1, T, H]."""
-        mid = self.d.midlayer
         t = input_ids.shape[1]
-        start, end = self.length, self.length + input_ids.shape[1]
+        start, end = self.length, self.length + t
         self._reserve(end)
+        norms = self.norms
         feature = feature[0]
-        embeds = F.embedding(input_ids[0], self.d.embed_tokens.weight).to(feature.dtype)
-        x = torch.cat([rms_norm(embeds, mid.input_layernorm.weight, mid.input_layernorm.eps),
-                       rms_norm(feature, mid.hidden_norm.weight, mid.hidden_norm.eps)], dim=-1)
+        embeds = F.embedding(input_ids[0], self.embed).to(feature.dtype)
+        x = torch.cat([rms_norm(embeds, *norms["input"]), rms_norm(feature, *norms["hidden"])], dim=-1)
         mask = causal_offset_mask(t, start, x.device) if t > 1 and start > 0 else None
-        out = attend(F.linear(x, self.qkv), self.cache[0], self.cache[1], start, self.cos[start:end],
+        out = attend(F.linear(x, self.qkv), self.keys, self.values, start, self.cos[start:end],
                      self.sin[start:end], self.heads, self.kv_heads, self.head_dim, mask)
-        hidden = torch.addmm(feature, out, mid.self_attn.o_proj.weight.t())
-        norm = mid.post_attention_layernorm
-        gate, up = F.linear(rms_norm(hidden, norm.weight, norm.eps), self.gate_up).chunk(2, dim=-1)
-        hidden = torch.addmm(hidden, F.silu(gate) * up, mid.mlp.down_proj.weight.t())
+        hidden = torch.addmm(feature, out, self.o_t)
+        gate, up = F.linear(rms_norm(hidden, *norms["post"]), self.gate_up).chunk(2, dim=-1)
+        hidden = torch.addmm(hidden, F.silu(gate) * up, self.down_t)
         self.length = end
         return hidden[None]
 
     def propose_token(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft token (a target id) from a pre-norm output [1, 1, H], as a device tensor [1, 1]."""
-        norm = self.d.norm
-        logits = F.linear(rms_norm(hidden[0, -1:], norm.weight, norm.eps), self.d.lm_head.weight)
+        logits = F.linear(rms_norm(hidden[0, -1:], *self.norms["final"]), self.lm_head)
         return self.hot_ids[logits.argmax(-1)].view(1, 1)
 
     def propose(self, hidden: torch.Tensor) -> int:
