@@ -181,6 +181,8 @@ def unsupported_reason(model) -> str | None:
     params = list(model.parameters())
     if len({(p.device, p.dtype) for p in params}) != 1 or params[0].device.type == "meta":
         return "parameters on several devices or dtypes"
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):  # accelerate offloading moves weights in hooks
+        return "accelerate device-map hooks"
     return None
 
 
@@ -260,6 +262,7 @@ class FastLlama:
         self.layer_caches = [(cache[i, 0], cache[i, 1]) for i in range(len(self.layers))]
         self.cos, self.sin = rope_tables(self.inv_freq.to(self.device), capacity, self.dtype)
 
+    @torch.inference_mode()  # the runner is kept on the model: its cache may be an inference tensor
     def forward(self, input_ids: torch.Tensor, start_pos: int, aux_layers: Sequence[int] = (),
                 all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens [1, t] at positions start_pos.. (cache entries past start_pos are overwritten).
