@@ -239,7 +239,8 @@ def main() -> int:
         device, cfg = torch.device("cpu"), DraftConfig(**SMOKE_SHAPES)
         lengths, backend, iters, peak = args.lengths or [64, 128], "sdpa", min(args.iters, 2), None
         print(f"CPU smoke  torch {torch.__version__}  tiny drafter (hidden {cfg.hidden_size}, draft vocab "
-              f"{cfg.draft_vocab_size}): figures check that the script runs, nothing more")
+              f"{cfg.draft_vocab_size}): figures check that the script runs, nothing more; on the CPU "
+              "the embedding stays fp32 and AdamW is not fused")
     else:
         if not torch.cuda.is_available():
             print("bench/training.py needs a CUDA GPU (or --cpu-smoke)")

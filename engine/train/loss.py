@@ -12,6 +12,8 @@ Two implementations of the head loss (final norm -> lm_head -> soft cross-entrop
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -64,12 +66,43 @@ def _chunk_stats(h, norm_w, eps, head_w, probs, target, pos_mask, acc_mask):
 # ---------------------------------------------------------------------------------------- fused
 
 
-def _head_pass(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps, head_w, cdtype, chunk_rows,
-               want_grads: bool):
+class StepRows(NamedTuple):
+    """One TTT step's scored rows, flattened to [rows, ...]."""
+
+    k: int  # the step: weighs STEP_DECAY ** k
+    h: torch.Tensor  # [rows, H] pre-norm output of the step (differentiable)
+    probs: torch.Tensor  # [rows, Vd] teacher distribution
+    target: torch.Tensor  # [rows] draft id of the target's greedy token, -1 outside the draft vocab
+    pos_mask: torch.Tensor  # [rows] rows with a loss
+    acc_mask: torch.Tensor  # [rows] rows scored for accuracy (a superset of pos_mask)
+    q_sum: torch.Tensor  # [rows] sum of the teacher row (not exactly 1 in bf16)
+    entropy: torch.Tensor  # [rows] teacher entropy
+
+
+TENSOR_FIELDS = StepRows._fields[1:]
+
+
+@torch.no_grad()
+def teacher_row_stats(probs: torch.Tensor, dtype: torch.dtype, chunk_rows: int):
+    """Per teacher row: sum of q and entropy -sum q log q. Every TTT step scores the same teacher rows
+    (shifted), so these are computed once instead of once per step."""
+    rows = probs.shape[0]
+    q_sum = torch.empty(rows, dtype=dtype, device=probs.device)
+    entropy = torch.empty(rows, dtype=dtype, device=probs.device)
+    for start in range(0, rows, chunk_rows):
+        q = probs[start:start + chunk_rows].to(dtype)
+        q_sum[start:start + chunk_rows] = q.sum(-1)
+        entropy[start:start + chunk_rows] = -(q * torch.log(q.clamp(min=1e-30))).sum(-1)
+    return q_sum, entropy
+
+
+def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, want_grads: bool):
     """Loss total, stats [len(steps), fields] and (when want_grads) the gradients of norm_w, head_w and
-    each h for a unit upstream gradient. Math per row (the exact derivatives of the reference):
-        y = rmsnorm(h);  z = norm_w * y;  logits = z @ W.T;  loss = -w * sum_v q_v log softmax(logits)_v
-        dlogits = w * (softmax(logits) * sum_v q_v - q)   (q need not sum to 1 in bf16)
+    each step's h for a unit upstream gradient. Per row (the exact derivatives of the reference):
+        y = rmsnorm(h);  z = norm_w * y;  logits = z @ W.T;  logp = log_softmax(logits);  p = exp(logp)
+        loss = -w * sum_v q_v logp_v;   dloss/dlogits = w * (p * sum(q) - q)   (q need not sum to 1 in bf16)
+    Each [rows, vocab] pass reads logits-sized memory, so they are kept few: log-probs become p in place,
+    then the gradient; the teacher stays in its own dtype (mixed-dtype ops upcast on the fly).
     """
     acc = _acc_dtype(cdtype)
     w_c = head_w.to(cdtype)
@@ -78,10 +111,11 @@ def _head_pass(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps, hea
     g_hs = []
     total = torch.zeros((), dtype=acc, device=head_w.device)
     stats = []
-    for k, h, probs_k, target_k, pos_k, acc_k in zip(steps, hs, probs, targets, pos_masks, acc_masks):
-        positions = pos_k.sum().to(acc)
-        step_weight = (STEP_DECAY ** k) / positions.clamp(min=1)  # d total / d loss_sum of this step
-        keep = acc_k.nonzero().squeeze(1)  # rows outside the accuracy mask add nothing anywhere
+    for step in steps:
+        h = step.h
+        positions = step.pos_mask.sum().to(acc)
+        step_weight = (STEP_DECAY ** step.k) / positions.clamp(min=1)  # d total / d loss_sum of this step
+        keep = step.acc_mask.nonzero().squeeze(1)  # rows outside the accuracy mask add nothing anywhere
         dense = keep.numel() == h.shape[0]
         g_h = (torch.empty_like(h) if dense else torch.zeros_like(h)) if want_grads else None
         sums = torch.zeros(4, dtype=acc, device=h.device)  # loss, correct, accept, entropy
@@ -92,32 +126,25 @@ def _head_pass(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps, hea
             else:
                 idx = keep[start:start + chunk_rows]
                 pick = (lambda t, idx=idx: t.index_select(0, idx))
-            h_c = pick(h)
-            w_rows = pick(pos_k).to(acc)
-            x = h_c.to(acc)
+            q, q_sum, w_rows = pick(step.probs), pick(step.q_sum), pick(step.pos_mask).to(acc)
+            x = pick(h).to(acc)
             r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
             y = (x * r).to(h.dtype)
             z = (norm_w * y).to(cdtype)
-            logits = (z @ w_c.T).to(acc)
-            correct = ((logits.argmax(-1) == pick(target_k)) & pick(acc_k)).sum()
-            logp = torch.log_softmax(logits, -1)
+            logits = z @ w_c.T
+            correct = ((logits.argmax(-1) == pick(step.target)) & pick(step.acc_mask)).sum()
+            logp = torch.log_softmax(logits, -1, dtype=acc)  # one fused kernel (logsumexp is four passes)
             del logits
-            q = pick(probs_k).to(acc)
-            tmp = q * logp
-            loss = -(tmp.sum(-1) * w_rows).sum()
-            torch.clamp(q, min=1e-30, out=tmp).log_().mul_(q)
-            entropy = (-tmp.sum(-1) * w_rows).sum()
-            p = logp.exp_()  # log-probs are done with: the buffer becomes the draft probabilities
-            torch.minimum(p, q, out=tmp)
-            accept = (tmp.sum(-1) * w_rows).sum()
-            del tmp
-            sums += torch.stack([loss, correct.to(acc), accept, entropy])
+            ce = -(logp * q).sum(-1)
+            p = logp.exp_()  # the log-prob buffer becomes the draft distribution, then the gradient
+            accept = torch.minimum(p, q).sum(-1)
+            sums += torch.stack([(ce * w_rows).sum(), correct.to(acc), (accept * w_rows).sum(),
+                                 (pick(step.entropy) * w_rows).sum()])
             if not want_grads:
                 continue
-            grad_logits = p.mul_(q.sum(-1, keepdim=True)).sub_(q).mul_((w_rows * step_weight)[:, None])
-            del q
-            g_logits = grad_logits.to(cdtype)
-            del grad_logits, p
+            scale = w_rows * step_weight
+            g_logits = p.mul_((q_sum * scale)[:, None]).addcmul_(q, scale[:, None], value=-1).to(cdtype)
+            del p, logp
             if g_head.dtype == cdtype:
                 g_head.addmm_(g_logits.T, z)
             else:  # bf16 product, fp32 accumulation across chunks and steps (what autocast + autograd do)
@@ -127,15 +154,21 @@ def _head_pass(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps, hea
             g_norm += (g_z * y.to(acc)).sum(0).to(g_norm.dtype)
             g_y = (g_z * norm_w).to(h.dtype).to(acc)  # autograd rounds the grad of y to y's dtype
             y_hat = x * r
-            g_x = r * (g_y - y_hat * (g_y * y_hat).mean(-1, keepdim=True))
+            g_x = (r * (g_y - y_hat * (g_y * y_hat).mean(-1, keepdim=True))).to(h.dtype)
             if dense:
-                g_h[rows] = g_x.to(h.dtype)
+                g_h[rows] = g_x
             else:
-                g_h.index_copy_(0, idx, g_x.to(h.dtype))
-        total = total + (STEP_DECAY ** k) * sums[0] / positions.clamp(min=1)
-        stats.append(torch.stack([sums[0], positions, sums[1], acc_k.sum().to(acc), sums[2], sums[3]]))
+                g_h.index_copy_(0, idx, g_x)
+        total = total + (STEP_DECAY ** step.k) * sums[0] / positions.clamp(min=1)
+        stats.append(torch.stack([sums[0], positions, sums[1], step.acc_mask.sum().to(acc), sums[2], sums[3]]))
         g_hs.append(g_h)
     return total, torch.stack(stats), (g_norm, g_head, g_hs)
+
+
+def _unflatten(ks: tuple[int, ...], tensors) -> list[StepRows]:
+    n = len(ks)
+    fields = [tensors[i * n:(i + 1) * n] for i in range(len(TENSOR_FIELDS))]
+    return [StepRows(k, *(f[j] for f in fields)) for j, k in enumerate(ks)]
 
 
 class _FusedHeadLoss(torch.autograd.Function):
@@ -143,12 +176,10 @@ class _FusedHeadLoss(torch.autograd.Function):
     upstream gradient (in place: it can run once, retain_graph is not supported)."""
 
     @staticmethod
-    def forward(ctx, norm_w, head_w, eps, cdtype, chunk_rows, steps, *tensors):
-        n = len(steps)
-        hs, probs, targets, pos_masks, acc_masks = (tensors[i * n:(i + 1) * n] for i in range(5))
-        with torch.autocast(hs[0].device.type, enabled=False):  # dtypes are chosen explicitly
-            total, stats, grads = _head_pass(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps,
-                                             head_w, cdtype, chunk_rows, want_grads=True)
+    def forward(ctx, norm_w, head_w, eps, cdtype, chunk_rows, ks, *tensors):
+        steps = _unflatten(ks, tensors)
+        with torch.autocast(head_w.device.type, enabled=False):  # dtypes are chosen explicitly
+            total, stats, grads = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, want_grads=True)
         ctx.grads = grads
         ctx.n_inputs = 6 + len(tensors)
         ctx.mark_non_differentiable(stats)
@@ -164,20 +195,19 @@ class _FusedHeadLoss(torch.autograd.Function):
         scale = grad_total.to(g_head.dtype)
         for g in (g_norm, g_head, *g_hs):
             g.mul_(scale)
-        grads = [g_norm, g_head, None, None, None, None, *g_hs]
+        grads = [g_norm, g_head, None, None, None, None, *g_hs]  # h is the first tensor field
         return tuple(grads + [None] * (ctx.n_inputs - len(grads)))
 
 
-def fused_head_loss(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps, head_w, cdtype,
-                    chunk_rows: int):
+def fused_head_loss(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows: int):
     """(total loss, stats [len(steps), fields]) over the given TTT steps; see _head_pass."""
-    tensors = (*hs, *probs, *targets, *pos_masks, *acc_masks)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (norm_w, head_w, *hs))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (norm_w, head_w, *(s.h for s in steps)))
     if needs_grad:
-        return _FusedHeadLoss.apply(norm_w, head_w, eps, cdtype, chunk_rows, tuple(steps), *tensors)
+        ks = tuple(s.k for s in steps)
+        tensors = [getattr(s, f) for f in TENSOR_FIELDS for s in steps]
+        return _FusedHeadLoss.apply(norm_w, head_w, eps, cdtype, chunk_rows, ks, *tensors)
     with torch.no_grad(), torch.autocast(head_w.device.type, enabled=False):
-        total, stats, _ = _head_pass(steps, hs, probs, targets, pos_masks, acc_masks, norm_w, eps, head_w,
-                                     cdtype, chunk_rows, want_grads=False)
+        total, stats, _ = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, want_grads=False)
     return total, stats
 
 
@@ -217,14 +247,23 @@ class TTTModel(nn.Module):
         if not scored:
             return hidden.new_zeros((), dtype=torch.float32), stats
         if self.fused_loss:
-            rows0 = scored[0][1]
-            total, got = fused_head_loss(*zip(*scored), d.norm.weight, d.norm.eps, d.lm_head.weight,
-                                         head_compute_dtype(rows0, d.lm_head.weight), self.chunk_rows)
+            total, got = self._fused(scored, teacher)
         else:
             total, got = self._checkpointed(scored)
         stats = stats.to(got.dtype)
         stats[[s[0] for s in scored]] = got
         return total, stats
+
+    def _fused(self, scored, teacher: TeacherOut):
+        d = self.drafter
+        cdtype = head_compute_dtype(scored[0][1], d.lm_head.weight)
+        b, t, vocab = teacher.probs.shape
+        q_sum, entropy = teacher_row_stats(teacher.probs.reshape(b * t, vocab), _acc_dtype(cdtype), self.chunk_rows)
+        q_sum, entropy = q_sum.view(b, t), entropy.view(b, t)
+        steps = [StepRows(k, rows, probs, target, pos_mask, acc_mask, q_sum[:, k + 1:].reshape(-1),
+                          entropy[:, k + 1:].reshape(-1))
+                 for k, rows, probs, target, pos_mask, acc_mask in scored]
+        return fused_head_loss(steps, d.norm.weight, d.norm.eps, d.lm_head.weight, cdtype, self.chunk_rows)
 
     def _checkpointed(self, scored):
         """The reference path: autograd through _chunk_stats, recomputed in backward."""
