@@ -110,6 +110,11 @@ def load_local(workspace, export_dir: Path, tokenizer) -> LocalSetup:
                         f"run captured {extracted}: the drafter was trained on other data; retrain it")
     notes.append(f"aux layers {layers} (SGLang ids) = transformers hidden_states{layers} = outputs of "
                  f"decoder layers {[x - 1 for x in layers]} (0-indexed)")
+    from engine.evaluate.fastllama import unsupported_reason
+
+    why = unsupported_reason(target)
+    notes.append("target runner: lean static-cache runner (both sides)" if why is None
+                 else f"target runner: transformers, both sides ({why})")
     return LocalSetup(target, drafter, layers, stop_token_ids(target, tokenizer), device,
                       str(dtype).replace("torch.", ""), notes)
 
