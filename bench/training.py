@@ -1,7 +1,8 @@
 """Drafter training throughput at Llama-3.1-8B drafter shapes on one GPU.
 
     python bench/training.py [--lengths 2048 4096 16384] [--steps 7] [--backend flex|sdpa]
-                             [--loss fused|checkpoint] [--optim fused|foreach] [--embed bf16|fp32]
+                             [--loss fused|fused-compiled|checkpoint ...] [--optim fused|foreach]
+                             [--embed bf16|fp32] [--zero-grad early|late] [--chunk-rows N]
                              [--compare] [--profile] [--cpu-smoke]
 
 Random records (batch 1, bf16 states), the real training step of engine.train (teacher over the
@@ -12,7 +13,8 @@ SpecForge reference: 13,100 tok/s at 2048 and 15,900 at 4096 with 13.1 / 17.8 Gi
 >= 1.25x the tokens/s with no more memory.
 
   --compare     per length, first the previous implementation (checkpointed loss, foreach AdamW,
-                fp32 embedding, grads zeroed after the forward), then the configuration asked for
+                fp32 embedding, grads zeroed after the forward), then the configuration(s) asked for
+  --loss        several values run side by side (fused-compiled: TTTModel(compile_head=True))
   --profile     after timing, one more step under torch.profiler: the 15 CUDA kernels with the most
                 total time (on CPU: the 15 ops with the most self time)
   --cpu-smoke   tiny shapes on the CPU, to check that the script runs (figures mean nothing)
@@ -48,7 +50,7 @@ GOAL = 1.25
 
 @dataclass(frozen=True)
 class Variant:
-    loss: str = "fused"  # fused | checkpoint
+    loss: str = "fused"  # fused | fused-compiled | checkpoint
     optim: str = "fused"  # fused | foreach
     embed: str = "bf16"  # bf16 | fp32 (the frozen embedding on the GPU)
     early_zero_grad: bool = True  # grads freed before the forward instead of after it
@@ -110,7 +112,8 @@ def build(cfg: DraftConfig, t: int, steps: int, backend: str, variant: Variant, 
         model.to(device)
     head_dtype = torch.bfloat16 if gpu else torch.float32
     teacher = Teacher(torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=head_dtype) * 0.02, hot)
-    ttt = TTTModel(model, steps, backend, chunk_rows=chunk_rows, fused_loss=variant.loss == "fused")
+    ttt = TTTModel(model, steps, backend, chunk_rows=chunk_rows, fused_loss=variant.loss != "checkpoint",
+                   compile_head=variant.loss == "fused-compiled")
     params = model.trainable_parameters()
     if variant.optim == "fused" and gpu:
         optim = build_adamw(params, 1e-4, fused=True)
@@ -198,7 +201,7 @@ def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, v
 
 def format_row(r: dict, peak_tflops: float | None, tag: str) -> str:
     ref = SPECFORGE.get(r["tokens"])
-    line = f"T={r['tokens']:6d}  {tag:6s} {r['tokens_per_s']:9.0f} tok/s"
+    line = f"T={r['tokens']:6d}  {tag:14s} {r['tokens_per_s']:9.0f} tok/s"
     line += f"  {r['tokens_per_s'] / ref[0]:5.2f}x SpecForge (goal {GOAL:.2f}x)" if ref else "  (no SpecForge figure)"
     if r["peak_gib"] is not None:
         line += f"  peak {r['peak_gib']:5.1f} GiB"
@@ -223,7 +226,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=7, help="TTT steps")
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--backend", default="flex", choices=["flex", "sdpa"])
-    parser.add_argument("--loss", default="fused", choices=["fused", "checkpoint"])
+    parser.add_argument("--loss", nargs="+", default=["fused"], choices=["fused", "fused-compiled", "checkpoint"],
+                        help="one run per value, side by side")
     parser.add_argument("--optim", default="fused", choices=["fused", "foreach"])
     parser.add_argument("--embed", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--zero-grad", default="early", choices=["early", "late"])
@@ -233,8 +237,9 @@ def main() -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    variant = Variant(args.loss, args.optim, args.embed, args.zero_grad == "early")
-    variants = [("old", LEGACY), ("new", variant)] if args.compare else [("run", variant)]
+    variants = [(loss, Variant(loss, args.optim, args.embed, args.zero_grad == "early")) for loss in args.loss]
+    if args.compare:
+        variants.insert(0, ("old", LEGACY))
     if args.cpu_smoke:
         device, cfg = torch.device("cpu"), DraftConfig(**SMOKE_SHAPES)
         lengths, backend, iters, peak = args.lengths or [64, 128], "sdpa", min(args.iters, 2), None
@@ -250,7 +255,7 @@ def main() -> int:
         peak = matmul_tflops()
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 matmul {peak:.0f} TFLOP/s")
     for tag, v in variants:
-        print(f"  {tag}: {v.label}")
+        print(f"  {tag:14s} {v.label}")
     rows = []
     for t in lengths:
         for tag, v in variants:
@@ -261,7 +266,7 @@ def main() -> int:
                 torch.cuda.empty_cache()
             rows.append(r)
             if "error" in r:
-                print(f"T={t:6d}  {tag:6s} {r['error']}", flush=True)
+                print(f"T={t:6d}  {tag:14s} {r['error']}", flush=True)
                 continue
             print(format_row(r, peak, tag), flush=True)
             if "kernels" in r:

@@ -153,7 +153,9 @@ class Trainer:
         self.gpu = self.device.type == "cuda"
         self.teacher = Teacher(head.to(self.device, torch.bfloat16 if self.gpu else torch.float32),
                                vocab.hot_ids)
-        self.ttt = TTTModel(self.model, self.cfg.ttt_steps, self.backend)
+        # EAGLE3_TRAIN_COMPILE_HEAD=1 compiles the fused loss's softmax part (see engine.train.loss).
+        self.ttt = TTTModel(self.model, self.cfg.ttt_steps, self.backend,
+                            compile_head=os.environ.get("EAGLE3_TRAIN_COMPILE_HEAD", "0") == "1")
         self.ddp = self.ttt
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel

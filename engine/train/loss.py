@@ -5,13 +5,15 @@ Two implementations of the head loss (final norm -> lm_head -> soft cross-entrop
   fused       (default) `_FusedHeadLoss`: one pass per row chunk computes the loss, the statistics
               and the gradients of h, norm.weight and lm_head.weight; backward only scales them.
               The [rows, draft_vocab] logits are built once, and rows outside the accuracy mask
-              (prompt tokens, padding) are skipped.
+              (prompt tokens, padding) are skipped. compile_head=True runs the softmax part of each
+              chunk through torch.compile (fewer full passes over [rows, vocab]; opt-in until measured).
   checkpoint  the reference: autograd through `_chunk_stats`, recomputed in backward by
               torch.utils.checkpoint (logits built twice).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -96,15 +98,40 @@ def teacher_row_stats(probs: torch.Tensor, dtype: torch.dtype, chunk_rows: int):
     return q_sum, entropy
 
 
-def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, want_grads: bool):
+def _chunk_logits_pass(z, w_c, q, q_sum, w_rows, scale, target, acc_mask, acc: torch.dtype, cdtype: torch.dtype,
+                       want_grads: bool):
+    """One chunk: logits = z @ w_c.T [rows, vocab] -> [loss, correct, accept] sums and the gradient of the
+    logits (in the compute dtype) for per-row gradient weights `scale`. Eager, each [rows, vocab] pass
+    reads logits-sized memory, so they are kept few: the log-probs become p in place, then the gradient,
+    and the teacher stays in its own dtype (mixed-dtype ops upcast on the fly). torch.compile fuses the
+    softmax part into a few kernels that never hold fp32 [rows, vocab] (TTTModel(compile_head=True))."""
+    logits = z @ w_c.T
+    correct = ((logits.argmax(-1) == target) & acc_mask).sum().to(acc)
+    logp = torch.log_softmax(logits, -1, dtype=acc)  # one fused kernel (logsumexp is four passes)
+    del logits
+    ce = -(logp * q).sum(-1)
+    p = logp.exp_()
+    accept = torch.minimum(p, q).sum(-1)
+    sums = torch.stack([(ce * w_rows).sum(), correct, (accept * w_rows).sum()])
+    if not want_grads:
+        return sums, None
+    return sums, p.mul_((q_sum * scale)[:, None]).addcmul_(q, scale[:, None], value=-1).to(cdtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_chunk_pass():
+    return torch.compile(_chunk_logits_pass, dynamic=True)
+
+
+def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, want_grads: bool,
+               compiled: bool = False):
     """Loss total, stats [len(steps), fields] and (when want_grads) the gradients of norm_w, head_w and
     each step's h for a unit upstream gradient. Per row (the exact derivatives of the reference):
         y = rmsnorm(h);  z = norm_w * y;  logits = z @ W.T;  logp = log_softmax(logits);  p = exp(logp)
         loss = -w * sum_v q_v logp_v;   dloss/dlogits = w * (p * sum(q) - q)   (q need not sum to 1 in bf16)
-    Each [rows, vocab] pass reads logits-sized memory, so they are kept few: log-probs become p in place,
-    then the gradient; the teacher stays in its own dtype (mixed-dtype ops upcast on the fly).
     """
     acc = _acc_dtype(cdtype)
+    chunk_pass = _compiled_chunk_pass() if compiled else _chunk_logits_pass
     w_c = head_w.to(cdtype)
     g_head = torch.zeros_like(head_w) if want_grads else None
     g_norm = torch.zeros_like(norm_w) if want_grads else None
@@ -131,20 +158,11 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
             r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
             y = (x * r).to(h.dtype)
             z = (norm_w * y).to(cdtype)
-            logits = z @ w_c.T
-            correct = ((logits.argmax(-1) == pick(step.target)) & pick(step.acc_mask)).sum()
-            logp = torch.log_softmax(logits, -1, dtype=acc)  # one fused kernel (logsumexp is four passes)
-            del logits
-            ce = -(logp * q).sum(-1)
-            p = logp.exp_()  # the log-prob buffer becomes the draft distribution, then the gradient
-            accept = torch.minimum(p, q).sum(-1)
-            sums += torch.stack([(ce * w_rows).sum(), correct.to(acc), (accept * w_rows).sum(),
-                                 (pick(step.entropy) * w_rows).sum()])
+            chunk_sums, g_logits = chunk_pass(z, w_c, q, q_sum, w_rows, w_rows * step_weight, pick(step.target),
+                                              pick(step.acc_mask), acc, cdtype, want_grads)
+            sums += torch.cat([chunk_sums, (pick(step.entropy) * w_rows).sum()[None]])
             if not want_grads:
                 continue
-            scale = w_rows * step_weight
-            g_logits = p.mul_((q_sum * scale)[:, None]).addcmul_(q, scale[:, None], value=-1).to(cdtype)
-            del p, logp
             if g_head.dtype == cdtype:
                 g_head.addmm_(g_logits.T, z)
             else:  # bf16 product, fp32 accumulation across chunks and steps (what autocast + autograd do)
@@ -176,12 +194,12 @@ class _FusedHeadLoss(torch.autograd.Function):
     upstream gradient (in place: it can run once, retain_graph is not supported)."""
 
     @staticmethod
-    def forward(ctx, norm_w, head_w, eps, cdtype, chunk_rows, ks, *tensors):
+    def forward(ctx, norm_w, head_w, eps, cdtype, chunk_rows, compiled, ks, *tensors):
         steps = _unflatten(ks, tensors)
         with torch.autocast(head_w.device.type, enabled=False):  # dtypes are chosen explicitly
-            total, stats, grads = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, want_grads=True)
+            total, stats, grads = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, True, compiled)
         ctx.grads = grads
-        ctx.n_inputs = 6 + len(tensors)
+        ctx.n_inputs = 7 + len(tensors)
         ctx.mark_non_differentiable(stats)
         return total, stats
 
@@ -195,19 +213,19 @@ class _FusedHeadLoss(torch.autograd.Function):
         scale = grad_total.to(g_head.dtype)
         for g in (g_norm, g_head, *g_hs):
             g.mul_(scale)
-        grads = [g_norm, g_head, None, None, None, None, *g_hs]  # h is the first tensor field
+        grads = [g_norm, g_head, None, None, None, None, None, *g_hs]  # h is the first tensor field
         return tuple(grads + [None] * (ctx.n_inputs - len(grads)))
 
 
-def fused_head_loss(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows: int):
+def fused_head_loss(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows: int, compiled: bool = False):
     """(total loss, stats [len(steps), fields]) over the given TTT steps; see _head_pass."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (norm_w, head_w, *(s.h for s in steps)))
     if needs_grad:
         ks = tuple(s.k for s in steps)
         tensors = [getattr(s, f) for f in TENSOR_FIELDS for s in steps]
-        return _FusedHeadLoss.apply(norm_w, head_w, eps, cdtype, chunk_rows, ks, *tensors)
+        return _FusedHeadLoss.apply(norm_w, head_w, eps, cdtype, chunk_rows, compiled, ks, *tensors)
     with torch.no_grad(), torch.autocast(head_w.device.type, enabled=False):
-        total, stats, _ = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, want_grads=False)
+        total, stats, _ = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, False, compiled)
     return total, stats
 
 
@@ -218,12 +236,13 @@ class TTTModel(nn.Module):
     """Wraps the drafter so one forward() covers the whole unrolled step (what DDP needs)."""
 
     def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, backend: str = "sdpa", chunk_rows: int | None = None,
-                 fused_loss: bool = True):
+                 fused_loss: bool = True, compile_head: bool = False):
         super().__init__()
         self.drafter = drafter
         self.ttt_steps = ttt_steps
         self.backend = backend
         self.fused_loss = fused_loss
+        self.compile_head = compile_head  # torch.compile the fused loss's softmax part (fused_loss only)
         self.chunk_rows = chunk_rows or (fused_chunk_rows(drafter.cfg.draft_vocab_size) if fused_loss
                                          else CHECKPOINT_CHUNK_ROWS)
 
@@ -263,7 +282,8 @@ class TTTModel(nn.Module):
         steps = [StepRows(k, rows, probs, target, pos_mask, acc_mask, q_sum[:, k + 1:].reshape(-1),
                           entropy[:, k + 1:].reshape(-1))
                  for k, rows, probs, target, pos_mask, acc_mask in scored]
-        return fused_head_loss(steps, d.norm.weight, d.norm.eps, d.lm_head.weight, cdtype, self.chunk_rows)
+        return fused_head_loss(steps, d.norm.weight, d.norm.eps, d.lm_head.weight, cdtype, self.chunk_rows,
+                               self.compile_head)
 
     def _checkpointed(self, scored):
         """The reference path: autograd through _chunk_stats, recomputed in backward."""
