@@ -40,11 +40,11 @@ def fused_chunk_rows(vocab: int) -> int:
     return max(128, (FUSED_CHUNK_ELEMENTS // max(1, vocab)) // 128 * 128)
 
 
-def head_compute_dtype(h: torch.Tensor, head_w: torch.Tensor) -> torch.dtype:
+def head_compute_dtype(device: torch.device, h_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
     """The dtype autocast would run the head matmul in (bf16 under GPU autocast, else the inputs' dtype)."""
-    if torch.is_autocast_enabled(h.device.type):
-        return torch.get_autocast_dtype(h.device.type)
-    return torch.promote_types(h.dtype, head_w.dtype)
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return torch.promote_types(h_dtype, w_dtype)
 
 
 def _chunk_stats(h, norm_w, eps, head_w, probs, target, pos_mask, acc_mask):
@@ -251,6 +251,10 @@ class TTTModel(nn.Module):
         d = self.drafter
         b, t = batch.input_ids.shape
         hidden = d.project(batch.aux.to(d.fc.weight.dtype) if not torch.is_autocast_enabled() else batch.aux)
+        if self.fused_loss:  # teacher-only statistics, while few activations are held
+            cdtype = head_compute_dtype(hidden.device, hidden.dtype, d.lm_head.weight.dtype)
+            q_sum, entropy = teacher_row_stats(teacher.probs.reshape(b * t, -1), _acc_dtype(cdtype), self.chunk_rows)
+            q_sum, entropy = q_sum.view(b, t), entropy.view(b, t)
         cache: list = []
         scored = []  # (step, rows, probs, target, pos_mask, acc_mask) of the steps with positions to score
         for k in range(self.ttt_steps):
@@ -266,24 +270,16 @@ class TTTModel(nn.Module):
         if not scored:
             return hidden.new_zeros((), dtype=torch.float32), stats
         if self.fused_loss:
-            total, got = self._fused(scored, teacher)
+            steps = [StepRows(k, rows, probs, target, pos_mask, acc_mask, q_sum[:, k + 1:].reshape(-1),
+                              entropy[:, k + 1:].reshape(-1))
+                     for k, rows, probs, target, pos_mask, acc_mask in scored]
+            total, got = fused_head_loss(steps, d.norm.weight, d.norm.eps, d.lm_head.weight, cdtype, self.chunk_rows,
+                                         self.compile_head)
         else:
             total, got = self._checkpointed(scored)
         stats = stats.to(got.dtype)
         stats[[s[0] for s in scored]] = got
         return total, stats
-
-    def _fused(self, scored, teacher: TeacherOut):
-        d = self.drafter
-        cdtype = head_compute_dtype(scored[0][1], d.lm_head.weight)
-        b, t, vocab = teacher.probs.shape
-        q_sum, entropy = teacher_row_stats(teacher.probs.reshape(b * t, vocab), _acc_dtype(cdtype), self.chunk_rows)
-        q_sum, entropy = q_sum.view(b, t), entropy.view(b, t)
-        steps = [StepRows(k, rows, probs, target, pos_mask, acc_mask, q_sum[:, k + 1:].reshape(-1),
-                          entropy[:, k + 1:].reshape(-1))
-                 for k, rows, probs, target, pos_mask, acc_mask in scored]
-        return fused_head_loss(steps, d.norm.weight, d.norm.eps, d.lm_head.weight, cdtype, self.chunk_rows,
-                               self.compile_head)
 
     def _checkpointed(self, scored):
         """The reference path: autograd through _chunk_stats, recomputed in backward."""
