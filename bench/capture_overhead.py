@@ -110,7 +110,9 @@ def spool_write_ceiling(spool: Path, hidden: int, tokens: int, dtype: str, secon
 
     from engine.capture.segments import release, write_segment
 
-    threads = max(4, min(16, (os.cpu_count() or 8) // 2))  # = the server's writer pool
+    from engine.localserver.model_runner import capture_writer_count
+
+    threads = capture_writer_count()  # = the server's writer pool
     torch_dtype = getattr(torch, dtype)
     aux = torch.randn(tokens, 3 * hidden).to(torch_dtype)
     final = torch.randn(tokens, hidden).to(torch_dtype)

@@ -128,6 +128,14 @@ class _Completion:
         self.request.emit(DoneEvent(finish_reason=self._finish, error=self._error))
 
 
+def capture_writer_count() -> int:
+    """Writer threads: EAGLE3_CAPTURE_WRITERS if set (1..64), else half the cores, 4..16."""
+    raw = os.environ.get("EAGLE3_CAPTURE_WRITERS", "").strip()
+    if raw.isdigit() and 1 <= int(raw) <= 64:
+        return int(raw)
+    return max(4, min(16, (os.cpu_count() or 8) // 2))
+
+
 def check_model_dir(model_path: Path) -> None:
     if not model_path.exists():
         raise ModelLoadError("does not exist")
@@ -168,7 +176,7 @@ class ModelRunner:
         self._inbox: queue.Queue[GenRequest | None] = queue.Queue()
         # Writers sized to the machine: at ~200k prefill tok/s a 1B model makes ~3 GB/s of states,
         # more than four threads copy into a tmpfs spool.
-        self.capture_writers = max(4, min(16, (os.cpu_count() or 8) // 2))
+        self.capture_writers = capture_writer_count()
         self._write_queue: queue.Queue[tuple | None] = queue.Queue(
             maxsize=max(capture_queue_size, 2 * self.capture_writers))
         self._copy_stream: Any = None  # CUDA stream for device-to-host copies of captured states
