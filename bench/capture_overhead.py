@@ -148,6 +148,7 @@ def main() -> int:  # noqa: C901 - a linear script
     parser.add_argument("--length", type=int, default=None, help="prompt tokens per request")
     parser.add_argument("--requests", type=int, default=None, help="requests per round")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-batch", type=int, default=None, help="server batch size (default: --concurrency)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     args = parser.parse_args()
@@ -171,7 +172,7 @@ def main() -> int:  # noqa: C901 - a linear script
         server = subprocess.Popen(
             [sys.executable, "-m", "engine.localserver", "--model-path", str(model_dir), "--port", str(port),
              "--device", "cuda" if gpu else "cpu", "--dtype", dtype, "--capture-layers",
-             ",".join(map(str, default_capture_layers(layers))), "--spool-dir", str(spool), "--max-batch", str(args.concurrency)],
+             ",".join(map(str, default_capture_layers(layers))), "--spool-dir", str(spool), "--max-batch", str(args.max_batch or args.concurrency)],
             stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
         try:
             url = f"http://127.0.0.1:{port}"

@@ -252,3 +252,43 @@ def test_cuda_compiled_head_matches_eager_fused():
     for name in g0:
         cos = torch.nn.functional.cosine_similarity(g0[name].flatten(), g1[name].flatten(), dim=0)
         assert cos > 0.999, (name, float(cos))
+
+
+def test_a_broken_compiler_falls_back_to_the_eager_head(monkeypatch, capsys):
+    """A machine whose torch.compile cannot build kernels (simulated: the compiled function raises, as
+    inductor does without a C compiler) still trains, with the eager function and the same result."""
+    from engine.train import loss as loss_mod
+
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("InductorError: no working C compiler found")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(loss_mod, "_COMPILE_BROKEN", [])
+    loss_mod._compiled_chunk_pass.cache_clear()
+    try:
+        model = tiny_drafter(torch.float64)
+        batch, teacher = random_inputs(2, 13, torch.float64, seed=12)
+        teacher = with_greedy_targets(model, batch, teacher)
+        ref = run(model, batch, teacher, fused=True, chunk_rows=5)
+        model.zero_grad(set_to_none=True)
+        loss, stats = TTTModel(model, 3, "sdpa", chunk_rows=5, compile_head=True)(batch, teacher)
+        loss.backward()
+        got = (loss.detach(), stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        assert_same(ref, got, rtol=1e-12, atol=1e-14)
+        assert "compiled loss head unavailable (RuntimeError: InductorError" in capsys.readouterr().err
+        assert len(loss_mod._COMPILE_BROKEN) == 1  # reported once, then eager without retrying
+    finally:
+        loss_mod._compiled_chunk_pass.cache_clear()
+
+
+def test_compiled_head_is_on_by_default_on_cuda_only(monkeypatch):
+    from engine.train.loop import compile_head_wanted
+
+    monkeypatch.delenv("EAGLE3_TRAIN_COMPILE_HEAD", raising=False)
+    assert compile_head_wanted(True) and not compile_head_wanted(False)
+    monkeypatch.setenv("EAGLE3_TRAIN_COMPILE_HEAD", "0")
+    assert not compile_head_wanted(True)
+    monkeypatch.setenv("EAGLE3_TRAIN_COMPILE_HEAD", "1")
+    assert compile_head_wanted(False)
