@@ -173,7 +173,7 @@ def run(args) -> int:  # noqa: C901 - a linear script
     import torch
 
     from engine.config import set_value
-    from engine.extract.job import Extractor
+    from engine.extract.job import Extractor, limit_torch_threads
     from engine.server.manager import ServerManager
     from engine.workspace import Workspace
 
@@ -205,6 +205,7 @@ def run(args) -> int:  # noqa: C901 - a linear script
 
         ctx = EventLog(temp / "job")
         ctx.job_dir.mkdir()
+        limit_torch_threads(ws.config.extract.concurrency)  # as the job process does
         wall = time.perf_counter()
         code = asyncio.run(Extractor(ws, ctx).run())
         wall = time.perf_counter() - wall

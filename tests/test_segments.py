@@ -221,3 +221,17 @@ def test_release_refuses_symlinked_rid_dir(tmp_path):
     with pytest.raises(SegmentError, match="symlink"):
         release(spool, "victim")
     assert (outside / "victim" / "0000000000.safetensors").exists()
+
+
+def test_all_finite_finds_any_nan_or_inf_anywhere():
+    import torch
+
+    from engine.records import all_finite
+
+    x = torch.randn(64, 48).to(torch.bfloat16)
+    assert all_finite(x) and all_finite(torch.empty(0, 4))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in ((0, 0), (31, 17), (63, 47)):
+            y = x.clone()
+            y[where] = bad
+            assert not all_finite(y), (bad, where)

@@ -10,6 +10,7 @@ the engine owns); a full disk pauses; SIGTERM stops after the requests in flight
 from __future__ import annotations
 
 import asyncio
+import os
 import errno
 import json
 import re
@@ -25,6 +26,7 @@ from engine.extract.plan import Plan, PlannedSample, build_plan
 from engine.extract.verify import check_run, rewrite_manifest, write_bad
 from engine.records import (
     RecordError,
+    all_finite,
     append_manifest,
     read_run_meta,
     save_token_counts,
@@ -201,7 +203,7 @@ class Extractor:
         if cap.hidden_state.shape[1] != hidden or cap.aux_hidden_state.shape[1] != 3 * hidden:
             raise SampleFailed(f"captured widths {cap.aux_hidden_state.shape[1]}/{cap.hidden_state.shape[1]}, "
                                f"expected {3 * hidden}/{hidden}")
-        if not (torch.isfinite(cap.aux_hidden_state).all() and torch.isfinite(cap.hidden_state).all()):
+        if not (all_finite(cap.aux_hidden_state) and all_finite(cap.hidden_state)):
             raise SampleFailed("non-finite values in the captured states")
         entry = write_record(self.run_dir, sample.index, sample.id, torch.tensor(sample.input_ids),
                              torch.tensor(sample.loss_mask), cap.aux_hidden_state, cap.hidden_state)
@@ -393,6 +395,17 @@ def _vocab_size(model_dir: Path) -> int:
     return int(read_model_config(model_dir)["vocab_size"])
 
 
+def limit_torch_threads(concurrency: int) -> int:
+    """The job's parallelism is across samples (a worker thread each); every torch op of a worker
+    also fanning out over all cores would oversubscribe the CPU many times over. Per process:
+    call it in the job's own process, not in a host that runs other torch work."""
+    import torch
+
+    threads = max(1, min(4, (os.cpu_count() or 2) // max(1, concurrency)))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -412,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = None  # run by hand: events go to stdout
     try:
         ws = Workspace(args.workspace)
+        limit_torch_threads(ws.config.extract.concurrency)
         return asyncio.run(Extractor(ws, ctx, args.limit).run())
     except (ConfigError, ExtractionRefused, RecordError) as exc:
         if ctx is not None:
