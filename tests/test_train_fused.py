@@ -5,7 +5,6 @@ embedding) that can be checked here. CUDA-only cases run where a GPU is present.
 
 from __future__ import annotations
 
-import copy
 import io
 
 import pytest
@@ -160,25 +159,34 @@ def test_cpu_keeps_fp32_embedding_and_foreach_adamw():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@cuda
-def test_cuda_fused_matches_checkpointed_under_bf16_autocast():
+def bf16_cuda_runs(seed: int, b: int, t: int, chunk_rows: int, variants: list[dict]) -> list:
+    """(loss, stats, grads) of one bf16-autocast forward/backward per TTTModel variant, same inputs."""
     model = tiny_drafter(torch.float32).cuda()
-    batch, teacher = random_inputs(2, 64, torch.float32, seed=7)
+    batch, teacher = random_inputs(b, t, torch.float32, seed=seed)
     batch = batch.to("cuda", torch.bfloat16)
     teacher = TeacherOut(teacher.probs.to("cuda", torch.bfloat16), teacher.target.cuda(), teacher.keep.cuda())
     results = []
-    for fused in (False, True):
+    for variant in variants:
+        model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            model.zero_grad(set_to_none=True)
-            loss, stats = TTTModel(model, 3, "sdpa", chunk_rows=32, fused_loss=fused)(batch, teacher)
+            loss, stats = TTTModel(model, 3, "sdpa", chunk_rows=chunk_rows, **variant)(batch, teacher)
         loss.backward()
         results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in model.named_parameters()
                                                 if p.requires_grad}))
+    return results
+
+
+def assert_bf16_close(results) -> None:
     (l0, s0, g0), (l1, s1, g1) = results
     assert torch.allclose(l0, l1, rtol=1e-3) and torch.allclose(s0, s1, rtol=1e-3, atol=1e-2)
     for name in g0:
         cos = torch.nn.functional.cosine_similarity(g0[name].flatten(), g1[name].flatten(), dim=0)
         assert cos > 0.999, (name, float(cos))
+
+
+@cuda
+def test_cuda_fused_matches_checkpointed_under_bf16_autocast():
+    assert_bf16_close(bf16_cuda_runs(7, 2, 64, 32, [{"fused_loss": False}, {"fused_loss": True}]))
 
 
 @cuda
@@ -235,23 +243,7 @@ def test_compiled_chunk_pass_traces_to_the_same_result(monkeypatch):
 
 @cuda
 def test_cuda_compiled_head_matches_eager_fused():
-    model = tiny_drafter(torch.float32).cuda()
-    batch, teacher = random_inputs(1, 96, torch.float32, seed=13)
-    batch = batch.to("cuda", torch.bfloat16)
-    teacher = TeacherOut(teacher.probs.to("cuda", torch.bfloat16), teacher.target.cuda(), teacher.keep.cuda())
-    results = []
-    for compiled in (False, True):
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, stats = TTTModel(model, 3, "sdpa", chunk_rows=40, compile_head=compiled)(batch, teacher)
-        loss.backward()
-        results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in model.named_parameters()
-                                                if p.requires_grad}))
-    (l0, s0, g0), (l1, s1, g1) = results
-    assert torch.allclose(l0, l1, rtol=1e-3) and torch.allclose(s0, s1, rtol=1e-3, atol=1e-2)
-    for name in g0:
-        cos = torch.nn.functional.cosine_similarity(g0[name].flatten(), g1[name].flatten(), dim=0)
-        assert cos > 0.999, (name, float(cos))
+    assert_bf16_close(bf16_cuda_runs(13, 1, 96, 40, [{"compile_head": False}, {"compile_head": True}]))
 
 
 def test_a_broken_compiler_falls_back_to_the_eager_head(monkeypatch, capsys):
