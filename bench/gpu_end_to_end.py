@@ -21,7 +21,6 @@ import asyncio
 import hashlib
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -136,7 +135,6 @@ def train_target(tok, held_in: list[str], held_out: list[str], out: Path, second
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3 if quick else 6e-4, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
     started, step, tokens = time.time(), 0, 0
-    est_steps = None
     model.train()
     while time.time() - started < seconds:
         starts = torch.randint(0, len(ids) - seq - 1, (batch,), generator=gen)
@@ -209,8 +207,19 @@ def follow(jobs, job_id: str, status_cmd: list[str], out: Path, tag: str, ws_dir
     samples = 0
     started = time.monotonic()
     shot = ws_dir is None
+    offset, last_progress = 0, 0.0
     while True:
         info = jobs.get(job_id)
+        # Progress lines as they come, so a run cut by the call's time limit still shows how far it got.
+        fresh, offset = jobs.events(job_id, offset)
+        for event in fresh:
+            kind = event.get("type")
+            if kind == "progress" and tag != "evaluate" and time.monotonic() - last_progress < 15:
+                continue  # extraction and training report many times a second: one line per 15 s
+            if kind in ("progress", "loaded", "started", "phase"):
+                last_progress = time.monotonic() if kind == "progress" else last_progress
+                detail = {k: v for k, v in event.items() if k not in ("t", "type", "table")}
+                log(f"{tag} {kind}: {json.dumps(detail)[:300]}")
         if samples < 3:
             proc = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60)
             (out / f"status_{tag}_{samples}.json").write_text(proc.stdout)

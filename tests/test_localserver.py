@@ -219,6 +219,31 @@ async def test_capture_only_for_explicit_rid_and_never_for_health(server):
         release(server.spool, f"batch-{i}")
 
 
+async def test_mixed_batch_captures_each_row_exactly(server, reference):
+    """Requests of different lengths batched together, some captured and some not: each captured
+    segment holds its own row's states (no padding, no neighbour's row) — the per-batch host copy
+    is sliced per request by the writers."""
+    model, _ = reference
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    rids = [f"mix-{i}" if i % 3 != 1 else None for i in range(8)]
+    async with server.client() as client:
+        await asyncio.gather(*(client.generate(input_ids=p, max_new_tokens=0, rid=r) for p, r in zip(prompts, rids)))
+        info = await client.server_info()
+    assert info["internal_states"][0]["largest_prefill_batch"] > 1
+    for prompt, rid in zip(prompts, rids):
+        if rid is None:
+            continue
+        capture = assemble(server.spool, rid, expected_len=len(prompt), expected_input_ids=prompt)
+        with torch.no_grad():
+            states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+            final = model.model(torch.tensor([prompt])).last_hidden_state[0]
+        aux_ref = torch.cat([states[layer + 1][0] for layer in (0, 1, 2)], dim=-1)
+        torch.testing.assert_close(capture.aux_hidden_state, aux_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(capture.hidden_state, final, atol=1e-4, rtol=1e-4)
+        release(server.spool, rid)
+    assert sorted(p.name for p in server.spool.iterdir()) == []
+
+
 async def test_unsafe_rid_rejected_when_capturing(server):
     async with server.client() as client:
         for rid in ("../x", "/etc"):
