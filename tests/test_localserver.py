@@ -376,3 +376,46 @@ async def test_client_reports_unreachable_server():
     async with ServerClient(f"http://127.0.0.1:{free_port()}", timeout=5) as client:
         with pytest.raises(ServerUnreachableError, match="ConnectError"):
             await client.health()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU box)")
+def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path, tmp_path: Path):
+    """On CUDA the states reach the host through pinned buffers on a side stream: each captured row
+    must equal the in-process forward, and uncaptured neighbours must leave no segment."""
+    from transformers import AutoModelForCausalLM
+
+    spool, log = tmp_path / "spool", tmp_path / "server.log"
+    port = free_port()
+    argv = [sys.executable, "-m", "engine.localserver", "--model-path", str(tiny_model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cuda", "--dtype", "bfloat16", "--capture-layers", "0,1,2",
+            "--spool-dir", str(spool)]
+    with open(log, "wb") as handle:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log)
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+        rids = [f"gpu-{i}" if i % 3 != 1 else None for i in range(8)]
+
+        async def send():
+            async with ServerClient(url, timeout=60) as client:
+                await asyncio.gather(*(client.generate(input_ids=p, max_new_tokens=0, rid=r)
+                                       for p, r in zip(prompts, rids)))
+
+        asyncio.run(send())
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda().eval()
+        for prompt, rid in zip(prompts, rids):
+            if rid is None:
+                continue  # checked below: no segment directory besides the captured rids
+            capture = assemble(spool, rid, expected_len=len(prompt), expected_input_ids=prompt)
+            with torch.no_grad():
+                ids = torch.tensor([prompt], device="cuda")
+                states = model(ids, output_hidden_states=True).hidden_states
+                final = model.model(ids).last_hidden_state[0]
+            aux_ref = torch.cat([states[layer + 1][0] for layer in (0, 1, 2)], dim=-1).cpu()
+            # bf16, batched with padding vs alone: equal up to bf16 rounding
+            torch.testing.assert_close(capture.aux_hidden_state.float(), aux_ref.float(), atol=5e-2, rtol=5e-2)
+            torch.testing.assert_close(capture.hidden_state.float(), final.cpu().float(), atol=5e-2, rtol=5e-2)
+        assert sorted(p.name for p in spool.iterdir()) == sorted(r for r in rids if r is not None)
+    finally:
+        stop_process(proc)
