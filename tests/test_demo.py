@@ -93,7 +93,7 @@ def test_model_dir_is_a_complete_hf_directory(demo):
     assert (path / "model.safetensors").stat().st_mode & 0o777 == 0o644
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert config["num_hidden_layers"] == content.model.num_layers == 8
+    assert config["num_hidden_layers"] == content.model.num_layers == 16
     assert config["hidden_size"] == content.model.hidden_size == 128
     assert config["tie_word_embeddings"] is False
     assert config["max_position_embeddings"] == 2048
@@ -177,7 +177,7 @@ def test_greedy_generation_reproduces_train_answers(tokenizer, model, demo):
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=48, do_sample=False)
         new = out[0, inputs["input_ids"].shape[1] :].tolist()
-        assert len(set(new)) >= 4, tokenizer.decode(new)  # not one token repeated
+        assert len(set(new)) >= min(4, len(new)), tokenizer.decode(new)  # no loop of a few tokens (a short answer may end early)
         stopped += tokenizer.eos_token_id in new
         text = tokenizer.decode(new, skip_special_tokens=True).strip()
         exact_facts += conv in facts and text == conv[k]["content"]
