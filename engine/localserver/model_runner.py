@@ -128,21 +128,6 @@ class _Completion:
         self.request.emit(DoneEvent(finish_reason=self._finish, error=self._error))
 
 
-@dataclass
-class CapturedBatch:
-    """One forward's captured states on the host: [layers..., final], each [rows, width, H]
-    (a row is real for its request's length, padding after it)."""
-
-    states: list
-
-    def row(self, index: int, n: int) -> tuple[Any, Any]:
-        """(aux [n, 3H] = the capture layers side by side, final [n, H]) of one captured row."""
-        import torch
-
-        aux = torch.cat([layer[index, :n] for layer in self.states[:-1]], dim=-1)
-        return aux, self.states[-1][index, :n]
-
-
 def capture_writer_count() -> int:
     """Writer threads: EAGLE3_CAPTURE_WRITERS if set (1..64), else half the cores, 4..16."""
     raw = os.environ.get("EAGLE3_CAPTURE_WRITERS", "").strip()
@@ -397,12 +382,11 @@ class ModelRunner:
             item = self._write_queue.get()
             if item is None:
                 return
-            completion, ids, batch, index, copied = item
+            completion, ids, aux, final, copied = item
             assert self.capture is not None
             try:
                 if copied is not None:
                     copied.synchronize()  # the asynchronous device-to-host copies have landed
-                aux, final = batch.row(index, int(ids.shape[0]))
                 write_segment(self.capture.spool_dir, completion.request.rid, 0, ids, aux, final,
                               self.capture.layers)
             except Exception as exc:
@@ -455,7 +439,7 @@ class ModelRunner:
             logits, cache = self._forward(input_ids, mask, positions, None, keep)
             self._hooks_active = False
             if capture_rows:
-                self._queue_captures(group, completions, capture_rows, lengths)
+                self._queue_captures(group, completions, capture_rows, lengths, input_ids)
             self._hook_store.clear()
             if keep is not None:
                 index_of = {pos: i for i, pos in enumerate(keep_positions)}
@@ -465,47 +449,43 @@ class ModelRunner:
             del logits
             self._decode(group, completions, lengths, mask, cache, last)
 
-    def _queue_captures(self, group, completions, rows, lengths) -> None:
-        """Hand the captured rows to the writers. One host copy per captured layer for the whole
-        batch: this thread also launches the next forward, so it does no per-row concatenation
-        or copy; the writers slice and concatenate their row on the host."""
+    def _queue_captures(self, group, completions, rows, lengths, input_ids) -> None:
         import torch
 
         assert self.capture is not None
-        states = [self._hook_store[f"layer{layer}"] for layer in self.capture.layers]
-        states.append(self._hook_store["final"])
-        if len(rows) < len(group):  # some requests of the batch are not captured: copy only the others
-            index = torch.tensor(rows, device=states[0].device)
-            states = [s.index_select(0, index) for s in states]
-        host, copied = self._copy_to_host(states)
-        batch = CapturedBatch(host)
-        for index, row in enumerate(rows):
-            # The ids are known on the host already: no device-to-host copy (which would wait for the forward).
-            ids = torch.tensor(group[row].input_ids[: lengths[row]], dtype=torch.long)
+        layer_states = [self._hook_store[f"layer{layer}"] for layer in self.capture.layers]
+        final_states = self._hook_store["final"]
+        on_gpu = final_states.is_cuda
+        if on_gpu and self._copy_stream is None:
+            # The copies run on their own stream, overlapping the next batch's forward instead of
+            # queuing behind it on the compute stream.
+            self._copy_stream = torch.cuda.Stream(device=final_states.device)
+        for row in rows:
+            n = lengths[row]
+            aux_dev = torch.cat([states[row, :n] for states in layer_states], dim=-1)
+            final_dev = final_states[row, :n]
+            if on_gpu:
+                # Pinned buffers + non-blocking copies: the forward never waits for the host;
+                # the writer thread waits on the event instead.
+                aux = torch.empty(aux_dev.shape, dtype=aux_dev.dtype, pin_memory=True)
+                final = torch.empty(final_dev.shape, dtype=final_dev.dtype, pin_memory=True)
+                cat_done = torch.cuda.Event()
+                cat_done.record()
+                with torch.cuda.stream(self._copy_stream):
+                    self._copy_stream.wait_event(cat_done)
+                    aux.copy_(aux_dev, non_blocking=True)
+                    final.copy_(final_dev, non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record(self._copy_stream)
+                # The allocator must not hand these blocks to the next forward before the copy
+                # stream has read them.
+                aux_dev.record_stream(self._copy_stream)
+                final_dev.record_stream(self._copy_stream)
+            else:
+                aux, final, copied = aux_dev, final_dev, None
+            ids = input_ids[row, :n].to("cpu")
             completions[row].capture_queued = True
-            self._write_queue.put((completions[row], ids, batch, index, copied))  # blocks if the disk lags
-
-    def _copy_to_host(self, states: list) -> tuple[list, Any]:
-        """CPU tensors as they are; CUDA ones into pinned buffers on a side stream (overlapping the next
-        forward), with the event the writers wait on."""
-        import torch
-
-        if not states[0].is_cuda:
-            return states, None
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=states[0].device)
-        ready = torch.cuda.Event()
-        ready.record()
-        host = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in states]
-        with torch.cuda.stream(self._copy_stream):
-            self._copy_stream.wait_event(ready)
-            for buffer, state in zip(host, states):
-                buffer.copy_(state, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self._copy_stream)
-        for state in states:  # the allocator must not give these blocks to the next forward too early
-            state.record_stream(self._copy_stream)
-        return host, copied
+            self._write_queue.put((completions[row], ids, aux, final, copied))  # blocks if the disk lags
 
     def _decode(self, group, completions, lengths, mask, cache, last_logits) -> None:
         import torch
