@@ -230,15 +230,20 @@ def test_compiled_chunk_pass_traces_to_the_same_result(monkeypatch):
 
     compiled = torch.compile(loss_mod._chunk_logits_pass, dynamic=True, backend="aot_eager")
     monkeypatch.setattr(loss_mod, "_compiled_chunk_pass", lambda: compiled)
+    assert_compiled_head_matches_eager(seed=11, rtol=1e-9, atol=1e-11)
+
+
+def assert_compiled_head_matches_eager(seed: int, rtol: float, atol: float) -> None:
+    """compile_head=True gives the eager fused path's loss, stats and gradients (float64, CPU)."""
     model = tiny_drafter(torch.float64)
-    batch, teacher = random_inputs(2, 13, torch.float64, seed=11)
+    batch, teacher = random_inputs(2, 13, torch.float64, seed=seed)
     teacher = with_greedy_targets(model, batch, teacher)
     ref = run(model, batch, teacher, fused=True, chunk_rows=5)
     model.zero_grad(set_to_none=True)
     loss, stats = TTTModel(model, 3, "sdpa", chunk_rows=5, compile_head=True)(batch, teacher)
     loss.backward()
     got = (loss.detach(), stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-    assert_same(ref, got, rtol=1e-9, atol=1e-11)
+    assert_same(ref, got, rtol=rtol, atol=atol)
 
 
 @cuda
@@ -260,15 +265,7 @@ def test_a_broken_compiler_falls_back_to_the_eager_head(monkeypatch, capsys):
     monkeypatch.setattr(loss_mod, "_COMPILE_BROKEN", [])
     loss_mod._compiled_chunk_pass.cache_clear()
     try:
-        model = tiny_drafter(torch.float64)
-        batch, teacher = random_inputs(2, 13, torch.float64, seed=12)
-        teacher = with_greedy_targets(model, batch, teacher)
-        ref = run(model, batch, teacher, fused=True, chunk_rows=5)
-        model.zero_grad(set_to_none=True)
-        loss, stats = TTTModel(model, 3, "sdpa", chunk_rows=5, compile_head=True)(batch, teacher)
-        loss.backward()
-        got = (loss.detach(), stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-        assert_same(ref, got, rtol=1e-12, atol=1e-14)
+        assert_compiled_head_matches_eager(seed=12, rtol=1e-12, atol=1e-14)
         assert "compiled loss head unavailable (RuntimeError: InductorError" in capsys.readouterr().err
         assert len(loss_mod._COMPILE_BROKEN) == 1  # reported once, then eager without retrying
     finally:
