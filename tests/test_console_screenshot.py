@@ -6,12 +6,10 @@ from __future__ import annotations
 import html
 import subprocess
 import sys
-import time
 
-from engine.jobs import JobManager
 from engine.workspace import Workspace
 from tests.test_console import make_workspace
-from tests.test_console_status import JOB
+from tests.test_console_status import start_paused_job
 
 
 def screenshot(ws, out, *extra: str) -> subprocess.CompletedProcess:
@@ -25,13 +23,8 @@ def svg_text(path) -> str:
 
 def test_screenshot_shows_a_running_job_and_never_takes_the_lock(tmp_path):
     ws = make_workspace(tmp_path)
-    jobs = JobManager(ws.jobs_dir)
-    job = jobs.start("extract", [sys.executable, "-c", JOB])
+    jobs, job = start_paused_job(ws)
     try:
-        deadline = time.monotonic() + 20
-        events = job.dir / "events.jsonl"
-        while time.monotonic() < deadline and not (events.exists() and b"paused" in events.read_bytes()):
-            time.sleep(0.1)
         result = screenshot(ws, tmp_path / "shots", "--tabs", "extraction,pipeline", "--size", "80x24",
                             "--settle", "1")
         assert result.returncode == 0, result.stderr

@@ -23,6 +23,17 @@ time.sleep(60)
 """
 
 
+def start_paused_job(ws):
+    """A real extraction-kind job that reports progress 10/40 and then "paused"; waits for that event."""
+    jobs = JobManager(ws.jobs_dir)
+    job = jobs.start("extract", [sys.executable, "-c", JOB])
+    deadline = time.monotonic() + 20
+    events = job.dir / "events.jsonl"
+    while time.monotonic() < deadline and not (events.exists() and b"paused" in events.read_bytes()):
+        time.sleep(0.1)
+    return jobs, job
+
+
 def status(ws, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "eagle3_console", "status", "-w", str(ws.root), *extra],
                           capture_output=True, text=True, timeout=60)
@@ -35,13 +46,8 @@ def test_status_reports_server_job_progress_and_evaluation(tmp_path):
     assert "server: stopped" in result.stdout
     assert "evaluation: none (no evaluation report at" in result.stdout
 
-    jobs = JobManager(ws.jobs_dir)
-    job = jobs.start("extract", [sys.executable, "-c", JOB])
+    jobs, job = start_paused_job(ws)
     try:
-        deadline = time.monotonic() + 20
-        events = job.dir / "events.jsonl"
-        while time.monotonic() < deadline and not (events.exists() and b"paused" in events.read_bytes()):
-            time.sleep(0.1)
         write_report(ws.eval_dir, 0.82)
         text = status(ws).stdout
         line = next(line for line in text.splitlines() if job.id in line)
