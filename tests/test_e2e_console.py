@@ -14,12 +14,13 @@ import os
 import shutil
 import socket
 import time
-from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from engine.config import set_value
 from engine.core import Engine
+from engine.jobs import JobManager
 from engine.workspace import Workspace, init_workspace
 from eagle3_console.app import ConsoleApp
 from eagle3_console.confirm import ConfirmScreen
@@ -43,7 +44,7 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def demo_ws(demo_template, tmp_path) -> Workspace:
+def demo_ws(demo_template, tmp_path) -> Iterator[Workspace]:
     root = tmp_path / "ws"
     shutil.copytree(demo_template.root, root, ignore=shutil.ignore_patterns(".console.lock"))
     ws = Workspace(root)
@@ -54,7 +55,11 @@ def demo_ws(demo_template, tmp_path) -> Workspace:
                        "evaluate.num_prompts": 6, "evaluate.max_new_tokens": 64, "evaluate.spec_steps": 4}.items():
         config = set_value(config, key, value)
     ws.save_config(config)
-    return Workspace(root)
+    yield Workspace(root)
+    # A failed run must not leave its server or jobs running after the test (they are detached).
+    jobs = JobManager(root / "jobs")
+    for job in jobs.active():
+        jobs.stop_sync(job.id, grace=5)
 
 
 async def wait_until(pilot, predicate, timeout: float, what: str) -> None:
