@@ -430,7 +430,8 @@ def cmd_console(args) -> int:
         if not is_default:
             raise WorkspaceError(f"{root} is not a workspace (no console.toml). "
                                  f"Create one with `eagle3-console init {root}` (add --demo for the demo).")
-        print(f"No workspace here: creating the demo workspace {root} (tiny local model, about a minute and a half)…",
+        print(f"No workspace here: creating the demo workspace {root} "
+              "(tiny local model, about a minute and a half)…",
               flush=True)
         init_workspace(root, demo=True, progress=lambda text: print(f"  {text}", flush=True))
     from engine.config import validate_against_model
