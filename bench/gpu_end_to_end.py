@@ -14,8 +14,8 @@
     python bench/gpu_end_to_end.py --out /tmp/e2e [--target-seconds 180] [--quick]
 
 On the lent device (10 minutes a call, 8 files back): `--target-seconds 120` leaves room for the
-answer regeneration and the evaluation; copy back only the log, results.json, report.json and shots/*.svg. Job progress is
-logged as it comes, so a run cut by the limit still shows how far each job got.
+answer regeneration and the evaluation; copy back only the log, results.json, report.json and
+shots/*.svg. Job progress is logged as it comes, so a run cut by the limit shows how far it got.
 """
 
 from __future__ import annotations
