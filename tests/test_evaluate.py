@@ -84,14 +84,22 @@ def make_drafter(target, draft_vocab: int = 200, seed: int = 0, hot_ids=None) ->
 PROMPTS = [[5, 6, 7, 8, 9], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [200, 17, 99, 3, 250, 8]]
 
 
+CHAIN_IDS = [[7, 19, 33, 2, 150, 61, 8, 90, 12, 250, 44, 5, 71, 3]]
+
+
+def training_attention_reference(target, drafter, steps: int = 3):
+    """(ids, target aux features, Eagle3Drafter.draft_logits: the TTT forward a chain must reproduce)."""
+    ids = torch.tensor(CHAIN_IDS)
+    with torch.no_grad():
+        aux = aux_features(target(input_ids=ids, output_hidden_states=True).hidden_states, AUX)
+        return ids, aux, drafter.draft_logits(ids, aux, steps=steps)
+
+
 def test_draft_runner_is_the_training_attention(target):
     """Flat-cache chain drafting gives the logits of Eagle3Drafter.draft_logits (the TTT forward)."""
     drafter = make_drafter(target)
-    ids = torch.tensor([[7, 19, 33, 2, 150, 61, 8, 90, 12, 250, 44, 5, 71, 3]])
+    ids, aux, reference = training_attention_reference(target, drafter)
     with torch.no_grad():
-        out = target(input_ids=ids, output_hidden_states=True)
-        aux = aux_features(out.hidden_states, AUX)
-        reference = drafter.draft_logits(ids, aux, steps=3)
         for n in (1, 6, 10):
             runner = DraftRunner(drafter)
             hidden = runner.extend(ids[:, 1:n + 1], drafter.project(aux[:, :n]))[:, -1:]

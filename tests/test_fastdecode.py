@@ -18,7 +18,7 @@ from engine.evaluate.fastllama import (  # noqa: E402
     unsupported_reason,
 )
 from engine.evaluate.specdec import DraftRunner, aux_features, greedy_decode, speculative_decode  # noqa: E402
-from test_evaluate import AUX, make_drafter  # noqa: E402
+from test_evaluate import AUX, make_drafter, training_attention_reference  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
 
@@ -244,11 +244,7 @@ def test_unsupported_models_fall_back_to_transformers(change, reason):
 def test_draft_runner_grows_and_keeps_the_training_attention(checkpoint):
     """A runner started with a tiny capacity grows mid-chain and still gives draft_logits' values."""
     drafter = make_drafter(checkpoint)
-    ids = torch.tensor([[7, 19, 33, 2, 150, 61, 8, 90, 12, 250, 44, 5, 71, 3]])
-    with torch.no_grad():
-        out = checkpoint(input_ids=ids, output_hidden_states=True)
-        aux = aux_features(out.hidden_states, AUX)
-        reference = drafter.draft_logits(ids, aux, steps=3)
+    ids, aux, reference = training_attention_reference(checkpoint, drafter)
     with torch.inference_mode():
         runner = DraftRunner(drafter, capacity=4)
         first = runner.capacity
