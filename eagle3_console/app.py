@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Iterable
 
 from textual import work
@@ -46,16 +47,8 @@ from eagle3_console.panes import (
     ServerPane,
     TrainingPane,
 )
+from eagle3_console.tabs import TABS
 
-# (tab id, tab label); the number keys follow this order.
-TABS: list[tuple[str, str]] = [
-    ("gpus", "GPUs"),
-    ("server", "Server"),
-    ("pipeline", "Pipeline"),
-    ("extraction", "Extraction"),
-    ("training", "Training"),
-    ("evaluation", "Evaluation"),
-]
 ENGINE_START_DELAY_S = 0.1  # after the first paint: the footer is rebuilt just after it
 TTY_CHECK_S = 2.0  # how often the console checks that its terminal is still there
 SHIPPED_THEMES = ("eagle3-dark", "eagle3-light", "eagle3-contrast")

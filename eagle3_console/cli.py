@@ -12,10 +12,10 @@ import json
 import sys
 from pathlib import Path
 
+from eagle3_console.tabs import TAB_IDS
 from engine.config import ConfigError
 from engine.workspace import WorkspaceError
 
-TAB_IDS = ("gpus", "server", "pipeline", "extraction", "training", "evaluation")  # = eagle3_console.app.TABS
 GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-"}
 STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
 
