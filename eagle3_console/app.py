@@ -114,8 +114,9 @@ class ConsoleApp(JobActions, App[int]):
     def compose(self) -> ComposeResult:
         engine = self.engine
         holder = None
-        if engine.read_only:  # attached read-only: by choice (--read-only, screenshots) or lock held
-            holder = describe_holder(engine.lock_holder) if engine.lock_holder else "nobody"
+        if engine.read_only:  # by choice (--read-only, screenshots) or because another console drives
+            nobody = engine.lock_holder is None and engine.attached_by_choice
+            holder = "nobody" if nobody else describe_holder(engine.lock_holder)
 
         yield ConsoleHeader(self.workspace.root, holder, id="header")
         yield Tabs(*[Tab(f"{i} {label}", id=tab) for i, (tab, label) in enumerate(TABS, start=1)],

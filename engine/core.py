@@ -45,10 +45,11 @@ class Engine:
         self.config = workspace.config
         self.read_only = True
         self.lock_holder: LockHolder | None = None
+        self.attached_by_choice = not drive  # read-only because asked, not because the lock is taken
         if drive and workspace.lock.acquire():
             self.read_only = False
         else:
-            self.lock_holder = workspace.lock.holder() if drive else workspace.lock.live_holder()
+            self.lock_holder = workspace.lock.live_holder()
         # The GPU sampler (pynvml) and the server manager (its launch specs) are made on first
         # use: the console paints its first frame before the pollers need them.
         self._gpu_sampler = gpu_sampler
