@@ -10,9 +10,9 @@ the engine owns); a full disk pauses; SIGTERM stops after the requests in flight
 from __future__ import annotations
 
 import asyncio
-import os
 import errno
 import json
+import os
 import re
 import secrets
 import time
