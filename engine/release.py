@@ -23,6 +23,7 @@ from pathlib import Path
 from engine.names import UnsafeNameError, check_name
 from engine.records import RUN_META, RecordError, read_manifest, read_run_meta
 
+RUN_LOCK = ".extract.lock"  # engine.extract.job.RUN_LOCK, not imported for the same reason
 COMPLETE = "complete.json"  # engine.extract.job.COMPLETE (not imported: that module pulls asyncio job code)
 RELEASING = re.compile(r"^(?P<run>.+)\.releasing-[0-9a-f]{8}$")
 # Jobs that read the configured run's records.
@@ -249,6 +250,13 @@ def in_use_reason(workspace, name: str) -> str | None:
     if name == cfg.extract.run:
         return (f"run {name!r} is the configured run (extract.run in {workspace.config_path}): extraction, "
                 "training and evaluation use it. Set extract.run to another run first")
+    from engine.workspace import WorkspaceLock
+
+    run_lock = WorkspaceLock(output_dir_of(workspace) / name, RUN_LOCK)
+    if run_lock.held_elsewhere():
+        holder = run_lock.holder()
+        return (f"an extraction ({holder.describe() if holder else 'another process'}) is writing run {name!r}: "
+                "stop it first, then release")
     from engine.jobs import JobManager
 
     jobs = JobManager(workspace.jobs_dir)

@@ -40,8 +40,8 @@ class LockHolder:
 class WorkspaceLock:
     """Advisory exclusive lock. The kernel drops it if the holder dies, so it is never stale."""
 
-    def __init__(self, root: Path):
-        self.path = root / LOCK_NAME
+    def __init__(self, root: Path, name: str = LOCK_NAME):
+        self.path = root / name
         self._fd: int | None = None
 
     def acquire(self) -> bool:
@@ -82,6 +82,20 @@ class WorkspaceLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    def held_elsewhere(self) -> bool:
+        """Whether a live process holds the lock now; probes without creating or rewriting the file."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops the probe's shared lock
+        return False
 
     def release(self) -> None:
         if self._fd is not None:

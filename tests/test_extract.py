@@ -144,6 +144,46 @@ def test_corrupted_record_is_detected_and_redone(server_ws):
     _assert_exactly_once(ws)
 
 
+def test_dead_writers_temp_files_are_swept_and_a_locked_run_is_refused(server_ws):
+    """A writer killed mid-write leaves `.NAME.XXXX.tmp` beside the records; the next session
+    removes it (it never reached the manifest). While another process (a real one here) holds
+    the run's lock, a second extraction and a release of that run are both refused."""
+    from engine.extract.guard import ExtractionRefused
+    from engine.extract.job import RUN_LOCK
+    from engine.release import in_use_reason
+
+    ws = server_ws
+    run_dir, run_name = ws.hidden_dir, ws.config.extract.run
+    dead = run_dir / "records" / "00000" / ".c007.safetensors.hby75h61.tmp"
+    dead.parent.mkdir(parents=True)
+    dead.write_bytes(b"half a record")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from engine.workspace import WorkspaceLock; "
+         f"lock = WorkspaceLock(Path(sys.argv[1]), {RUN_LOCK!r}); assert lock.acquire(); print('held', flush=True); "
+         "time.sleep(60)", str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ExtractionRefused, match=f"being extracted by pid {holder.pid}"):
+            asyncio.run(Extractor(ws).run())
+        assert dead.exists(), "a temp file is left alone while another writer may own it"
+        ws.save_config(set_value(ws.config, "extract.run", "other"))  # else refused as the configured run
+        ws.reload()
+        reason = in_use_reason(ws, run_name)
+        assert reason is not None and "is writing run" in reason, reason
+    finally:
+        holder.kill()
+        holder.wait()
+    assert in_use_reason(ws, run_name) is None
+    ws.save_config(set_value(ws.config, "extract.run", run_name))
+    ws.reload()
+    events = []
+    extractor = Extractor(ws)
+    extractor.event = lambda kind, **data: events.append((kind, data))
+    assert asyncio.run(extractor.run()) == 0
+    assert ("swept_temp", {"count": 1}) in events and not dead.exists()
+    _assert_exactly_once(ws)
+
+
 def _mount_tmpfs(path, size):
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:

@@ -38,6 +38,7 @@ GIB = 2**30
 COMPLETE = "complete.json"
 PAUSE_FILE = "pause.requested"
 SPOOL_SESSIONS = "spool_sessions.txt"  # rid tags of every session of this run, one a line
+RUN_LOCK = ".extract.lock"  # flock held by the one extraction writing this run
 _RID = re.compile(r"^x\d+-([0-9a-f]{6})-a\d+$")
 
 
@@ -121,6 +122,18 @@ class Extractor:
 
         primary = ServerManager(self.ws).record().get("url") or f"http://{self.cfg.server.host}:{self.cfg.server.port}"
         return [primary] + [u for u in self.cfg.extract.endpoints if u != primary]
+
+    def _lock_run(self) -> None:
+        """One writer per run: two extractions appending to one manifest would duplicate records,
+        and only with the lock held are temp files certainly a dead writer's."""
+        from engine.workspace import WorkspaceLock
+
+        self._run_lock = WorkspaceLock(self.run_dir, RUN_LOCK)
+        if not self._run_lock.acquire():
+            holder = self._run_lock.holder()
+            who = holder.describe() if holder else "another process"
+            raise ExtractionRefused(f"run {self.run_dir} is being extracted by {who}: wait for that job to finish "
+                                    "or stop it (eagle3-console jobs), then start again; it resumes")
 
     # -- spool of earlier sessions
     def _release_stale_spool(self) -> int:
@@ -304,8 +317,6 @@ class Extractor:
 
     # -- the run
     async def run(self) -> int:
-        from engine.client import ServerClient
-
         hidden = self._hidden_size()
         layers = self._layers()
         self.event("planning", dataset=self.cfg.dataset.path)
@@ -314,7 +325,19 @@ class Extractor:
             raise ExtractionRefused(f"dataset {plan.dataset} has no usable sample: run the dataset stage for details")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.spool.mkdir(parents=True, exist_ok=True)
+        self._lock_run()
+        try:
+            return await self._run_locked(plan, hidden, layers)
+        finally:
+            self._run_lock.release()
+
+    async def _run_locked(self, plan: Plan, hidden: int, layers: list[int]) -> int:
+        from engine.client import ServerClient
+
         self._check_run_meta(plan, hidden, layers)
+        swept = await asyncio.to_thread(sweep_dead_temp_files, self.run_dir)
+        if swept:
+            self.event("swept_temp", count=swept)
         await asyncio.to_thread(self._release_stale_spool)
         atomic.append_line(self.run_dir / SPOOL_SESSIONS, self.tag)
 
@@ -387,6 +410,20 @@ class Extractor:
         atomic.write_json(self.run_dir / COMPLETE, summary)
         self.event("finished", **summary)
         return 0
+
+
+def sweep_dead_temp_files(run_dir: Path) -> int:
+    """Remove the half-written record temp files (``records/*/.NAME.XXXX.tmp``, see engine.atomic)
+    of writers killed mid-write. They never reached the manifest, so no record is lost; call it
+    only with the run lock held, or a live writer's temp file could go."""
+    removed = 0
+    for path in run_dir.glob("records/*/.*.tmp"):
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def _vocab_size(model_dir: Path) -> int:
