@@ -1,7 +1,7 @@
 """Training checkpoints: `<drafter_dir>/checkpoints/step-NNNNNNNN/state.pt`, pointers
 `latest.json` and `best.json`, all written atomically. Retention: the last two periodic
-checkpoints and the best one are kept; older periodic ones are superseded and removed. Nothing
-else in the folder is ever deleted."""
+checkpoints and the best one are kept; older periodic ones are superseded and removed. Besides
+those, only the temp files of a save that was killed midway are ever deleted."""
 
 from __future__ import annotations
 
@@ -19,10 +19,32 @@ LATEST = "latest.json"
 BEST = "best.json"
 STATE = "state.pt"
 KEEP_LAST = 2
+TRAIN_LOCK = ".train.lock"  # flock held by the one training writing this drafter directory
 
 
 def ckpt_root(drafter_dir: Path) -> Path:
     return Path(drafter_dir) / CKPT_DIR
+
+
+def sweep_dead_temp_files(drafter_dir: Path) -> int:
+    """Remove what a training killed mid-save left: temp files (``.NAME.XXXX.tmp``, see
+    engine.atomic; a checkpoint's is as big as the optimizer state) and the step directories
+    they leave empty. Nothing there was ever named by latest.json. Call with TRAIN_LOCK held."""
+    root = Path(drafter_dir)
+    removed = 0
+    for path in [*root.glob(".*.tmp"), *root.glob(f"{CKPT_DIR}/.*.tmp"), *root.glob(f"{CKPT_DIR}/step-*/.*.tmp"),
+                 *root.glob("export/.*.tmp")]:
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    for step_dir in root.glob(f"{CKPT_DIR}/step-*"):
+        try:
+            step_dir.rmdir()  # only succeeds when empty
+        except OSError:
+            pass
+    return removed
 
 
 def _read(path: Path) -> dict | None:

@@ -340,6 +340,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
+        """Train from the start or the latest checkpoint; one writer per drafter directory."""
+        lock = None
+        if self.is_main:
+            from engine.workspace import WorkspaceLock
+
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            lock = WorkspaceLock(self.out_dir, ckpt.TRAIN_LOCK)
+            if not lock.acquire():
+                holder = lock.holder()
+                raise TrainError(f"{self.out_dir} is being trained by {holder.describe() if holder else 'another process'}: "
+                                 "wait for that job or stop it (eagle3-console jobs), or set train.run to a new name")
+            swept = ckpt.sweep_dead_temp_files(self.out_dir)  # lock held: no live writer owns them
+            if swept:
+                self.event("swept_temp", count=swept)
+        try:
+            return self._run()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run(self) -> int:
         self.setup()
         self.event("started", step=self.step, total_steps=self.total_steps, train=len(self.data.train_entries),
                    eval=len(self.data.eval_entries), device=str(self.device), world=self.world, backend=self.backend)

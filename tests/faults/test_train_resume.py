@@ -4,13 +4,18 @@
   dead run's metric lines beside its own (they were duplicated).
 - Killed after a checkpoint: the resumed run must know the best simulated acceptance length
   reached so far, or it marks a worse later checkpoint as best (and exports it).
+- Killed in the middle of a checkpoint save: the temp file (as big as the optimizer state) must
+  not stay on disk for good, and two trainings must never write one drafter directory.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from faults.test_kill_training import _rows, _train_ws, hidden_run  # noqa: F401 - fixture
@@ -54,3 +59,39 @@ def test_resumed_run_remembers_the_best_acceptance_so_far(tiny_chat_model_dir, h
     assert resumed.step == 3
     assert resumed.best_sim_al == full.best_sim_al == ckpt.best(split.drafter_dir)["sim_al"]
     assert json.loads(json.dumps(ckpt.best(split.drafter_dir))) == ckpt.best(straight.drafter_dir)
+
+
+def test_a_save_killed_midway_is_swept_and_a_trained_directory_is_locked(tiny_chat_model_dir, hidden_run, tmp_path):  # noqa: F811
+    """The holder of the lock is a real second process, as a concurrent training job would be."""
+    from engine.train import checkpoint as ckpt
+    from engine.train.loop import Trainer, TrainError
+
+    torch.set_num_threads(1)
+    ws = _train_ws(tmp_path / "ws", tiny_chat_model_dir, hidden_run)
+    Trainer(ws, device="cpu", max_steps=2).run()
+    # What a kill -9 during the next save leaves: a step directory holding only a temp file.
+    dead_dir = ckpt.ckpt_root(ws.drafter_dir) / "step-00000009"
+    dead_dir.mkdir()
+    dead = dead_dir / ".state.pt.k3j2h1xx.tmp"
+    dead.write_bytes(b"x" * 4096)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from engine.workspace import WorkspaceLock; "
+         f"lock = WorkspaceLock(Path(sys.argv[1]), {ckpt.TRAIN_LOCK!r}); assert lock.acquire(); print('held', flush=True); "
+         "time.sleep(60)", str(ws.drafter_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TrainError, match=f"being trained by pid {holder.pid}"):
+            Trainer(ws, device="cpu", resume=True, max_steps=1).run()
+        assert dead.exists(), "left alone while another trainer may be writing it"
+    finally:
+        holder.kill()
+        holder.wait()
+    before = [r["step"] for r in _rows(ws) if r["type"] == "train"]
+    events = []
+    trainer = Trainer(ws, device="cpu", resume=True, max_steps=1)
+    trainer.event = lambda kind, **data: events.append((kind, data))
+    assert trainer.run() == 0
+    assert ("swept_temp", {"count": 1}) in events
+    assert not dead_dir.exists(), "the empty step directory goes with its temp file"
+    assert [r["step"] for r in _rows(ws) if r["type"] == "train"] == before + [3]
+    assert ckpt.latest(ws.drafter_dir)["step"] == 3
