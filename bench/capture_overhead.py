@@ -56,6 +56,9 @@ def build_model(size: str, out: Path, dtype: str) -> Path:
     return out, params
 
 
+PHASE_FILE: str | None = None  # set with --profile-server: tells the stack sampler which side runs
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -80,9 +83,14 @@ async def run_round(client, spool: Path, capture: bool, n: int, length: int, voc
                 await asyncio.to_thread(release, spool, rid)
             return int(result.meta.get("prompt_tokens", len(ids)))
 
+    if PHASE_FILE:
+        Path(PHASE_FILE).write_text("on" if capture else "off")
     started = time.perf_counter()
     tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-    return tokens / (time.perf_counter() - started)
+    rate = tokens / (time.perf_counter() - started)
+    if PHASE_FILE:
+        Path(PHASE_FILE).write_text("idle")
+    return rate
 
 
 async def bench(url: str, spool: Path, args, vocab: int) -> dict:
@@ -151,7 +159,10 @@ def main() -> int:  # noqa: C901 - a linear script
     parser.add_argument("--max-batch", type=int, default=None, help="server batch size (default: --concurrency)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    parser.add_argument("--profile-server", metavar="OUT", default=None,
+                        help="sample the server's thread stacks (bench/stack_sampler.py) into OUT, split by side")
     args = parser.parse_args()
+    global PHASE_FILE
     import torch
 
     from engine.capture.layers import default_capture_layers
@@ -169,8 +180,13 @@ def main() -> int:  # noqa: C901 - a linear script
         hidden, layers, *_ , vocab = SIZES[args.size]
         port = free_port()
         log = open(work / "server.log", "w")
+        launcher = [sys.executable]
+        if args.profile_server:
+            PHASE_FILE = str(work / "phase")
+            launcher += [str(Path(__file__).with_name("stack_sampler.py")), str(Path(args.profile_server).resolve()),
+                         "--phase-file", PHASE_FILE, "--"]
         server = subprocess.Popen(
-            [sys.executable, "-m", "engine.localserver", "--model-path", str(model_dir), "--port", str(port),
+            [*launcher, "-m", "engine.localserver", "--model-path", str(model_dir), "--port", str(port),
              "--device", "cuda" if gpu else "cpu", "--dtype", dtype, "--capture-layers",
              ",".join(map(str, default_capture_layers(layers))), "--spool-dir", str(spool), "--max-batch", str(args.max_batch or args.concurrency)],
             stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])

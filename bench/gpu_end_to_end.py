@@ -25,7 +25,9 @@ import asyncio
 import hashlib
 import json
 import math
+import os
 import random
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -41,6 +43,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|code|>{% endif %}"
 )
 SPECIALS = ["<|pad|>", "<|end|>", "<|prompt|>", "<|code|>"]
+
+
+def save_results(out: Path, results: dict) -> None:
+    """After every phase: a run cut by the call's time limit still returns what it measured."""
+    (out / "results.json").write_text(json.dumps(results, indent=2))
 
 
 def log(msg: str) -> None:
@@ -250,10 +257,19 @@ def follow(jobs, job_id: str, status_cmd: list[str], out: Path, tag: str, ws_dir
     started = time.monotonic()
     shot = ws_dir is None
     offset, last_progress = 0, 0.0
+    last_event = time.monotonic()
     while True:
         info = jobs.get(job_id)
         # Progress lines as they come, so a run cut by the call's time limit still shows how far it got.
         fresh, offset = jobs.events(job_id, offset)
+        if fresh:
+            last_event = time.monotonic()
+        elif info.state == "running" and info.pid and time.monotonic() - last_event > 45:
+            # Silent for 45 s: the job's stacks (SIGUSR1, see engine.jobctx) say where it is.
+            os.kill(info.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            log(f"{tag} silent for {time.monotonic() - last_event:.0f} s; its log:\n  " + "\n  ".join(jobs.tail(job_id, 40)))
+            last_event = time.monotonic()
         for event in fresh:
             kind = event.get("type")
             if kind == "progress" and tag != "evaluate" and time.monotonic() - last_progress < 15:
@@ -263,9 +279,12 @@ def follow(jobs, job_id: str, status_cmd: list[str], out: Path, tag: str, ws_dir
                 detail = {k: v for k, v in event.items() if k not in ("t", "type", "table")}
                 log(f"{tag} {kind}: {json.dumps(detail)[:300]}")
         if samples < 3:
+            t0 = time.monotonic()
             proc = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60)
             (out / f"status_{tag}_{samples}.json").write_text(proc.stdout)
             samples += 1
+            if time.monotonic() - t0 > 5:
+                log(f"status --json took {time.monotonic() - t0:.1f} s")
         if not shot and info.state == "running" and time.monotonic() - started >= shot_after_s:
             screenshot(ws_dir, out, tag)
             shot = True
@@ -312,6 +331,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     log("tokenizer trained")
     results["target"] = train_target(tok, held_in, held_out, model_dir, args.target_seconds, args.quick)
     log(f"target: {results['target']}")
+    save_results(out, results)
     if gpu:
         torch.cuda.empty_cache()
 
@@ -371,6 +391,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
 
     results["capture_overhead"] = round(statistics.median(ov["on"]) / statistics.median(ov["off"]), 3)
     log(f"capture overhead ratio {results['capture_overhead']} (on {ov['on']}, off {ov['off']})")
+    save_results(out, results)
 
     jobs = JobManager(ws.jobs_dir)
     job = start_extract(ws, jobs)
@@ -384,6 +405,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
                              "mb_s": round(finished["bytes"] / secs / 1e6, 1),
                              "peak_tok_s": max((p.get("tokens_per_s") or 0) for p in progress) if progress else None}
     log(f"extraction {results['extraction']}")
+    save_results(out, results)
     asyncio.run(manager.stop(grace=10))  # free the GPU for training and evaluation
 
     job = start_train(ws, jobs)
@@ -398,6 +420,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
         "final_eval": {k: v for k, v in (evals[-1] if evals else {}).items() if k in ("loss", "sim_al", "acc", "accept")},
     }
     log(f"drafter training {results['drafter_training']}")
+    save_results(out, results)
 
     job = start_evaluate(ws, jobs)
     events = follow(jobs, job.id, status_cmd, out, "evaluate")
@@ -406,7 +429,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     results["evaluation"] = report.get("overall")
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(final.get("table", ""))
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    save_results(out, results)
     print(json.dumps(results, indent=2))
     return 0
 

@@ -105,6 +105,7 @@ class JobContext:
         job_dir = Path(value)
         if not job_dir.is_dir():
             raise RuntimeError(f"{JOB_DIR_ENV}={value} is not a directory; start the job through JobManager.start")
+        _dump_stacks_on_sigusr1()
         return cls(job_dir)
 
     @property
@@ -131,3 +132,14 @@ class JobContext:
         signal.signal(signal.SIGTERM, on_signal)
         if also_sigint:
             signal.signal(signal.SIGINT, on_signal)
+
+
+def _dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` writes every thread's stack to the job log (stderr): the way to see where a
+    job that seems stuck is, without stopping it."""
+    import faulthandler
+
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, RuntimeError, OSError):  # no SIGUSR1 here, or stderr is closed
+        pass

@@ -369,3 +369,23 @@ def test_bad_requests_get_clear_errors(manager: JobManager, tmp_path: Path):
         JobContext.from_env({})
     with pytest.raises(ValueError, match="reserved"):
         JobContext(tmp_path).event("x", type="y")
+
+
+def test_sigusr1_writes_the_stacks_of_a_running_job_to_its_log_and_it_goes_on(manager: JobManager):
+    info = manager.start("extract", script("""
+        import time
+        from engine.jobctx import JobContext
+
+        ctx = JobContext.from_env()
+        def stuck_in_here():
+            for i in range(400):
+                time.sleep(0.05)
+        print("ready", flush=True)
+        stuck_in_here()
+        ctx.event("finished")
+    """), cwd=Path(__file__).resolve().parents[1])
+    wait_log(manager, info.id, "ready")
+    os.kill(manager.get(info.id).pid, signal.SIGUSR1)
+    wait_log(manager, info.id, "in stuck_in_here")
+    assert manager.get(info.id).state == "running", "a stack dump does not stop the job"
+    manager.kill(info.id)
