@@ -7,6 +7,9 @@ Other helpers may append fixtures below.
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,3 +194,21 @@ def screen_lines(app) -> list[str]:
 
 def screen_text(app) -> str:
     return "\n".join(screen_lines(app))
+
+
+@contextlib.contextmanager
+def lock_held_by_another_process(directory: Path, name: str):
+    """A real second process holding the flock `directory/name` (as a concurrent job would);
+    yields its pid and kills it on exit."""
+    code = ("import sys, time; from pathlib import Path; from engine.workspace import WorkspaceLock; "
+            "lock = WorkspaceLock(Path(sys.argv[1]), sys.argv[2]); assert lock.acquire(); "
+            "print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(directory), name], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import make_workspace, write_conversations
+from conftest import lock_held_by_another_process, make_workspace, write_conversations
 from engine.checks.context import CheckContext
 from engine.config import set_value
 from engine.extract.job import COMPLETE, Extractor
@@ -157,22 +157,14 @@ def test_dead_writers_temp_files_are_swept_and_a_locked_run_is_refused(server_ws
     dead = run_dir / "records" / "00000" / ".c007.safetensors.hby75h61.tmp"
     dead.parent.mkdir(parents=True)
     dead.write_bytes(b"half a record")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from engine.workspace import WorkspaceLock; "
-         f"lock = WorkspaceLock(Path(sys.argv[1]), {RUN_LOCK!r}); assert lock.acquire(); print('held', flush=True); "
-         "time.sleep(60)", str(run_dir)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(ExtractionRefused, match=f"being extracted by pid {holder.pid}"):
+    with lock_held_by_another_process(run_dir, RUN_LOCK) as holder_pid:
+        with pytest.raises(ExtractionRefused, match=f"being extracted by pid {holder_pid}"):
             asyncio.run(Extractor(ws).run())
         assert dead.exists(), "a temp file is left alone while another writer may own it"
         ws.save_config(set_value(ws.config, "extract.run", "other"))  # else refused as the configured run
         ws.reload()
         reason = in_use_reason(ws, run_name)
         assert reason is not None and "is writing run" in reason, reason
-    finally:
-        holder.kill()
-        holder.wait()
     assert in_use_reason(ws, run_name) is None
     ws.save_config(set_value(ws.config, "extract.run", run_name))
     ws.reload()

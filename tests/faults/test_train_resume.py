@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from conftest import lock_held_by_another_process
 from faults.test_kill_training import _rows, _train_ws, hidden_run  # noqa: F401 - fixture
 
 
@@ -74,18 +73,10 @@ def test_a_save_killed_midway_is_swept_and_a_trained_directory_is_locked(tiny_ch
     dead_dir.mkdir()
     dead = dead_dir / ".state.pt.k3j2h1xx.tmp"
     dead.write_bytes(b"x" * 4096)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from engine.workspace import WorkspaceLock; "
-         f"lock = WorkspaceLock(Path(sys.argv[1]), {ckpt.TRAIN_LOCK!r}); assert lock.acquire(); print('held', flush=True); "
-         "time.sleep(60)", str(ws.drafter_dir)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(TrainError, match=f"being trained by pid {holder.pid}"):
+    with lock_held_by_another_process(ws.drafter_dir, ckpt.TRAIN_LOCK) as holder_pid:
+        with pytest.raises(TrainError, match=f"being trained by pid {holder_pid}"):
             Trainer(ws, device="cpu", resume=True, max_steps=1).run()
         assert dead.exists(), "left alone while another trainer may be writing it"
-    finally:
-        holder.kill()
-        holder.wait()
     before = [r["step"] for r in _rows(ws) if r["type"] == "train"]
     events = []
     trainer = Trainer(ws, device="cpu", resume=True, max_steps=1)
