@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from eagle3_console.cli_jobs import add_jobs_parser, cmd_jobs
 from eagle3_console.tabs import TAB_IDS
 from engine.config import ConfigError
 from engine.workspace import WorkspaceError
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="160x50", help="COLSxROWS (160 or wider shows all panes at once)")
     p.add_argument("--settle", type=float, default=3.0, help="seconds of live polling before the first shot")
     _add_data_parser(sub)
+    add_jobs_parser(sub, common)
     return parser
 
 
@@ -633,7 +635,7 @@ def _data_release(ws, args) -> int:
 
 
 COMMANDS = {"init": cmd_init, "check": cmd_check, "run": cmd_run, "status": cmd_status, "server": cmd_server,
-            "data": cmd_data, "screenshot": cmd_screenshot}
+            "data": cmd_data, "screenshot": cmd_screenshot, "jobs": cmd_jobs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,7 +133,8 @@ class Extractor:
             holder = self._run_lock.holder()
             who = holder.describe() if holder else "another process"
             raise ExtractionRefused(f"run {self.run_dir} is being extracted by {who}: wait for that job to finish "
-                                    "or stop it (eagle3-console jobs), then start again; it resumes")
+                                    "or stop it (`eagle3-console jobs` lists them, `jobs stop ID` stops one), then start "
+                                    "again; it resumes")
 
     # -- spool of earlier sessions
     def _release_stale_spool(self) -> int:

@@ -350,7 +350,7 @@ class Trainer:
             if not lock.acquire():
                 holder = lock.holder()
                 raise TrainError(f"{self.out_dir} is being trained by {holder.describe() if holder else 'another process'}: "
-                                 "wait for that job or stop it (eagle3-console jobs), or set train.run to a new name")
+                                 "wait for that job or stop it (`eagle3-console jobs stop ID`), or set train.run to a new name")
             swept = ckpt.sweep_dead_temp_files(self.out_dir)  # lock held: no live writer owns them
             if swept:
                 self.event("swept_temp", count=swept)

@@ -1,0 +1,82 @@
+"""`eagle3-console jobs [list|logs ID|stop ID]`: the detached jobs of a workspace, headless.
+
+`run` detaches its jobs (Ctrl-C stops watching, not the job); this is how a script or an SSH
+session without the console lists them, reads their logs and stops one cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+# A stop lets the job finish its unit of work and checkpoint before SIGKILL, as the console's keys do.
+STOP_GRACE_S = {"extract": 60.0, "train": 120.0}
+DEFAULT_GRACE_S = 30.0
+
+
+def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("jobs", help="list the workspace's jobs, show a job's log, stop a job", parents=[common])
+    p.add_argument("action", nargs="?", default="list", choices=["list", "logs", "stop"])
+    p.add_argument("job_id", nargs="?", metavar="ID", help="job id (as `jobs list` shows it)")
+    p.add_argument("-n", "--lines", type=int, default=50, help="log lines to show")
+    p.add_argument("--grace", type=float, default=None,
+                   help="seconds between SIGTERM and SIGKILL (default: extract 60, train 120, others 30)")
+    p.add_argument("--json", action="store_true")
+
+
+def cmd_jobs(args) -> int:
+    from eagle3_console.cli import _fail, _job_dict, _last_progress, _open_workspace, _progress_text
+    from engine.jobs import JobError, JobManager
+    from engine.names import UnsafeNameError
+
+    ws = _open_workspace(args)
+    jobs = JobManager(ws.jobs_dir)
+    if args.action == "list":
+        listed = jobs.list()
+        rows = [_job_dict(j, with_progress=True) for j in listed]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        elif not rows:
+            print(f"no jobs in {ws.jobs_dir}")
+        for j in [] if args.json else rows:
+            code = "" if j["exit_code"] is None else f" exit {j['exit_code']}"
+            print(f"{j['id']:<32} {j['kind']:<10} {j['state']}{code}{_progress_text(j.get('progress'))}")
+        return 0
+    if not args.job_id:
+        return _fail(f"`jobs {args.action}` needs a job id: `eagle3-console jobs` lists them")
+    try:
+        info = jobs.get(args.job_id)
+    except (JobError, UnsafeNameError) as exc:
+        return _fail(str(exc))
+    if args.action == "logs":
+        print("\n".join(jobs.tail(info.id, max(1, args.lines))))
+        return 0
+    # stop
+    if not info.active:
+        print(f"job {info.id} is not running ({info.state}"
+              + ("" if info.exit_code is None else f", exit {info.exit_code}") + "): nothing to stop")
+        return 0
+    from engine.workspace import WorkspaceLock
+
+    probe = WorkspaceLock(ws.root)
+    if not probe.acquire():
+        holder = probe.holder()
+        return _fail(f"{holder.describe() if holder else 'another console'} drives this workspace: "
+                     "stop the job from that console (it asks first)")
+    try:
+        grace = args.grace if args.grace is not None else STOP_GRACE_S.get(info.kind, DEFAULT_GRACE_S)
+        if grace < 0:
+            return _fail("--grace must be >= 0 seconds")
+        print(f"stopping {info.kind} job {info.id} (SIGTERM, SIGKILL after {grace:g} s)…", flush=True)
+        started = time.monotonic()
+        final = jobs.stop_sync(info.id, grace=grace)
+    finally:
+        probe.release()
+    progress = _last_progress(final)
+    print(f"job {final.id}: {final.state}" + ("" if final.exit_code is None else f", exit {final.exit_code}")
+          + f" after {time.monotonic() - started:.1f} s{_progress_text(progress)}")
+    if final.state not in ("stopped", "succeeded"):
+        for line in final.last_log_lines[-5:]:
+            print(f"  | {line}", file=sys.stderr)
+    return 0 if not final.active else 1

@@ -1,0 +1,86 @@
+"""`eagle3-console jobs`: list, logs and a clean stop of a real detached job, headless, plus the
+refusals (no id, an unsafe or unknown id, a console driving the workspace)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from conftest import lock_held_by_another_process
+from engine.jobs import JobManager
+from engine.workspace import LOCK_NAME
+from tests.test_console import make_workspace
+
+GRACEFUL_JOB = """
+import time
+from engine.jobctx import JobContext
+ctx = JobContext.from_env()
+ctx.install_sigterm_handler()
+ctx.event("started", samples=40)
+ctx.progress(12, 40, tokens_per_s=50.0)
+print("working on sample 12", flush=True)
+while not ctx.stop_requested:
+    time.sleep(0.05)
+print("checkpoint written at sample 12", flush=True)
+ctx.event("stopped", done=12)
+"""
+
+
+def jobs_cli(ws, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eagle3_console", "jobs", "-w", str(ws.root), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_jobs_list_logs_and_a_clean_stop(tmp_path):
+    ws = make_workspace(tmp_path)
+    assert "no jobs in" in jobs_cli(ws).stdout
+    jobs = JobManager(ws.jobs_dir)
+    job = jobs.start("extract", [sys.executable, "-c", GRACEFUL_JOB])
+    try:
+        _wait_for(lambda: "working on sample 12" in "\n".join(jobs.tail(job.id, 5)), "the job to start working")
+        listed = jobs_cli(ws)
+        line = next(line for line in listed.stdout.splitlines() if job.id in line)
+        assert "extract" in line and "running" in line and "12/40 (30%)" in line, listed.stdout
+        rows = json.loads(jobs_cli(ws, "list", "--json").stdout)
+        assert [r["id"] for r in rows] == [job.id] and rows[0]["progress"]["done"] == 12
+        assert jobs_cli(ws, "logs", job.id, "-n", "1").stdout.strip() == "working on sample 12"
+
+        with lock_held_by_another_process(ws.root, LOCK_NAME) as console_pid:
+            refused = jobs_cli(ws, "stop", job.id)
+            assert refused.returncode == 2 and f"pid {console_pid}" in refused.stderr
+            assert "from that console" in refused.stderr
+        assert jobs.get(job.id).state == "running", "a refused stop leaves the job alone"
+
+        stopped = jobs_cli(ws, "stop", job.id, "--grace", "20")
+        assert stopped.returncode == 0, stopped.stderr
+        assert f"job {job.id}: stopped" in stopped.stdout
+        final = jobs.get(job.id)
+        assert final.state == "stopped" and final.exit_code == 0, "SIGTERM let it checkpoint and exit on its own"
+        assert "checkpoint written at sample 12" in jobs.tail(job.id, 5)
+        again = jobs_cli(ws, "stop", job.id)
+        assert again.returncode == 0 and "nothing to stop" in again.stdout
+    finally:
+        if jobs.get(job.id).active:
+            jobs.kill(job.id)
+
+
+def test_jobs_bad_requests_get_clear_errors(tmp_path):
+    ws = make_workspace(tmp_path)
+    no_id = jobs_cli(ws, "stop")
+    assert no_id.returncode == 2 and "needs a job id" in no_id.stderr and "jobs` lists them" in no_id.stderr
+    unknown = jobs_cli(ws, "logs", "extract-nosuch")
+    assert unknown.returncode == 2 and "no job 'extract-nosuch'" in unknown.stderr
+    unsafe = jobs_cli(ws, "stop", "../../etc")
+    assert unsafe.returncode == 2 and "job id" in unsafe.stderr and "Traceback" not in unsafe.stderr
+    assert not (ws.root.parent / "etc").exists()
