@@ -100,7 +100,7 @@ class Evaluation:
         return report
 
     def _run_local(self, prompts, tokenizer):
-        from engine.evaluate.local_eval import evaluate_local, load_local
+        from engine.evaluate.local_eval import evaluate_local, load_local, precision_note
 
         ev = self.cfg.evaluate
         setup = load_local(self.ws, self.export_dir, tokenizer)
@@ -113,6 +113,9 @@ class Evaluation:
         self.event("loaded", device=setup.device, dtype=setup.dtype, aux_layers_sglang=setup.aux_layers)
         results = evaluate_local(setup, prompts, ev.max_new_tokens, ev.spec_steps, self._progress(len(prompts)),
                                  self.should_stop)
+        note = precision_note(setup.dtype, results)
+        if note:
+            notes.append(note)
         target = {"path": str(self.ws.model_dir), "device": setup.device, "dtype": setup.dtype}
         return results, notes, target
 

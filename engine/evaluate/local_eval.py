@@ -147,3 +147,13 @@ def evaluate_local(setup: LocalSetup, prompts: list[EvalPrompt], max_new_tokens:
         if progress is not None:
             progress(i + 1, result)
     return results
+
+
+def precision_note(dtype: str, results: list[PromptResult]) -> str | None:
+    """Why speculative output can differ from greedy in half precision, when it does."""
+    differ = [r for r in results if r.matches_greedy is False]
+    if not differ or dtype not in ("bfloat16", "float16"):
+        return None
+    return (f"{len(differ)} of {len(results)} outputs differ from greedy: in {dtype} a verify step (several "
+            "tokens in one forward) rounds differently from one-token decoding, so near-tie tokens can flip "
+            "and the texts part from there. In float32 (model.dtype) the outputs match token for token")
