@@ -30,6 +30,7 @@ from engine.workspace import LockHolder, Workspace
 
 log = logging.getLogger(__name__)
 Listener = Callable[[Event], None]
+SERVER_STAGES = ("server", "capture")  # the stages whose results describe the running server
 
 
 class ReadOnlyError(Exception):
@@ -64,6 +65,8 @@ class Engine:
         self.job_list: tuple = ()
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
+        self._recheck_pending = False
+        self._recheck_task: asyncio.Task | None = None
 
     @property
     def gpu_sampler(self):
@@ -181,6 +184,29 @@ class Engine:
         if previous is not None and previous.state != status.state and status.state == "crashed":
             self.notify("error", f"server crashed (exit {status.exit_code}): {status.error}")
         self._emit(ServerUpdated(status=status))
+        if previous is not None and (previous.state == "ready") != (status.state == "ready"):
+            self._recheck_server_stages()
+
+    def _recheck_server_stages(self) -> None:
+        """The server came up or went down: the last `server` and `capture` results describe a
+        server that is gone, so check them again (a real check, as a key press would run)."""
+        if self.read_only:
+            return  # checks persist their reports: only the driving console runs them
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # a synchronous caller (status --json) has no checks to refresh
+        self._recheck_pending = True
+        if self._recheck_task is None or self._recheck_task.done():
+            self._recheck_task = loop.create_task(self._recheck_loop(), name="server-stage-recheck")
+
+    async def _recheck_loop(self) -> None:
+        while self._recheck_pending:  # a change during a recheck gets one more pass
+            self._recheck_pending = False
+            try:
+                await self.run_checks(list(SERVER_STAGES))
+            except Exception as exc:  # a check that crashes must not take the watcher down
+                self.notify("error", f"re-checking the server stages failed: {exc}")
 
     async def start(self) -> None:
         """Start the pollers (call once, from the event loop that will own them)."""
@@ -205,6 +231,9 @@ class Engine:
 
     async def close(self) -> None:
         """Stop watching. Jobs keep running; the lock is released for the next console."""
+        if self._recheck_task is not None:
+            self._tasks.append(self._recheck_task)
+            self._recheck_task = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

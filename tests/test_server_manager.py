@@ -147,3 +147,48 @@ def test_server_command_prints_argv_without_the_key(chat_model_dir, tmp_path):
     assert "engine.localserver" in out.stdout and "--capture-layers" in out.stdout
     assert "sekret-123" not in out.stdout
     assert "NCCL_NVLS_ENABLE=0" in out.stdout
+
+
+async def test_console_engine_rechecks_server_stages_when_the_server_comes_up_and_goes_down(chat_model_dir, tmp_path):
+    """A started or stopped server makes the last `server`/`capture` results describe a server that
+    is gone: the driving engine checks them again by itself (real checks on a real server)."""
+    from engine.core import Engine
+
+    ws = make_ws(tmp_path, chat_model_dir)
+    engine = Engine(ws)
+    await engine.start()
+
+    async def states_become(server: str, capture: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = (engine.pipeline.report("server").state.value, engine.pipeline.report("capture").state.value)
+            if got == (server, capture):
+                return
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"server/capture stayed {got}, expected {(server, capture)}")
+
+    try:
+        assert engine.pipeline.report("server").state.value == "pending"
+        await engine.start_server()
+        await states_become("passed", "passed")
+        probe = {r.name: r for r in engine.pipeline.report("capture").results}
+        assert probe["argmax"].status.value == "pass"
+        await engine.stop_server()
+        await states_become("failed", "failed")
+        assert "stopped" in engine.pipeline.report("server").results[0].evidence
+    finally:
+        await engine.close()
+        await ServerManager(ws).stop(grace=5)
+    # The stopped server is still "stopped"; a read-only console seeing it come up runs nothing.
+    from engine.server.manager import ServerStatus
+
+    holder = Engine(ws)  # drives (holds the lock), so the next one is attached read-only
+    reader = Engine(ws)
+    try:
+        assert reader.read_only
+        reader._on_server(ServerStatus(state="stopped"))
+        reader._on_server(ServerStatus(state="ready"))
+        assert reader._recheck_task is None, "checks persist reports: only the driving console runs them"
+    finally:
+        await reader.close()
+        await holder.close()

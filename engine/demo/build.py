@@ -238,6 +238,9 @@ def _write_model(
         do_sample=False,
         max_new_tokens=64,
     )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # init prints its own progress lines; a tqdm bar would garble them
     model.save_pretrained(out_dir, safe_serialization=True)
     _make_portable(out_dir)
     return vocab_size, first, last
