@@ -31,6 +31,7 @@ from engine.workspace import LockHolder, Workspace
 log = logging.getLogger(__name__)
 Listener = Callable[[Event], None]
 SERVER_STAGES = ("server", "capture")  # the stages whose results describe the running server
+JOB_STAGES = ("extract", "train", "evaluate")  # stages whose job (same name as kind) makes their data
 
 
 class ReadOnlyError(Exception):
@@ -65,7 +66,7 @@ class Engine:
         self.job_list: tuple = ()
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
-        self._recheck_pending = False
+        self._recheck_pending: set[str] = set()
         self._recheck_task: asyncio.Task | None = None
 
     @property
@@ -141,6 +142,8 @@ class Engine:
                     if old is not None and old != job.state and job.state in ("succeeded", "failed", "stopped", "lost"):
                         level = "information" if job.state == "succeeded" else "warning"
                         self.notify(level, f"job {job.id} {job.state}")
+                        if job.kind in JOB_STAGES:
+                            self._recheck([job.kind])  # its stage said "running" or "missing" until now
                 previous = states
             changed = first or jobs != self.job_list
             self.job_list = jobs
@@ -185,28 +188,32 @@ class Engine:
             self.notify("error", f"server crashed (exit {status.exit_code}): {status.error}")
         self._emit(ServerUpdated(status=status))
         if previous is not None and (previous.state == "ready") != (status.state == "ready"):
-            self._recheck_server_stages()
+            # The last `server`/`capture` results describe a server that is gone.
+            self._recheck(SERVER_STAGES)
 
-    def _recheck_server_stages(self) -> None:
-        """The server came up or went down: the last `server` and `capture` results describe a
-        server that is gone, so check them again (a real check, as a key press would run)."""
+    def _recheck(self, stages) -> None:
+        """Run these stages' checks again, in the background, because what they describe changed
+        (a real check, as a key press would run). Only the driving console: checks persist reports."""
         if self.read_only:
-            return  # checks persist their reports: only the driving console runs them
+            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # a synchronous caller (status --json) has no checks to refresh
-        self._recheck_pending = True
+        self._recheck_pending.update(stages)
         if self._recheck_task is None or self._recheck_task.done():
-            self._recheck_task = loop.create_task(self._recheck_loop(), name="server-stage-recheck")
+            self._recheck_task = loop.create_task(self._recheck_loop(), name="stage-recheck")
 
     async def _recheck_loop(self) -> None:
-        while self._recheck_pending:  # a change during a recheck gets one more pass
-            self._recheck_pending = False
+        from engine.pipeline import stage_names
+
+        while self._recheck_pending:  # changes during a pass get one more pass
+            stages = [name for name in stage_names() if name in self._recheck_pending]
+            self._recheck_pending.clear()
             try:
-                await self.run_checks(list(SERVER_STAGES))
-            except Exception as exc:  # a check that crashes must not take the watcher down
-                self.notify("error", f"re-checking the server stages failed: {exc}")
+                await self.run_checks(stages)
+            except Exception as exc:  # a check that crashes must not take the watchers down
+                self.notify("error", f"re-checking {', '.join(stages)} failed: {exc}")
 
     async def start(self) -> None:
         """Start the pollers (call once, from the event loop that will own them)."""

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from conftest import make_workspace
+from conftest import make_workspace, write_conversations
 from engine.checks.context import CheckContext
 from engine.pipeline import Pipeline
 from engine.server.manager import ServerManager, ServerStartError
@@ -149,32 +149,39 @@ def test_server_command_prints_argv_without_the_key(chat_model_dir, tmp_path):
     assert "NCCL_NVLS_ENABLE=0" in out.stdout
 
 
-async def test_console_engine_rechecks_server_stages_when_the_server_comes_up_and_goes_down(chat_model_dir, tmp_path):
+async def test_console_engine_rechecks_stages_when_the_server_or_a_stage_job_changes(chat_model_dir, tmp_path):
     """A started or stopped server makes the last `server`/`capture` results describe a server that
-    is gone: the driving engine checks them again by itself (real checks on a real server)."""
+    is gone, and a stage job that ends changes its stage's data: the driving engine checks them
+    again by itself (real checks, a real server, a real extraction job)."""
     from engine.core import Engine
 
-    ws = make_ws(tmp_path, chat_model_dir)
+    ws = make_ws(tmp_path, chat_model_dir, **{"dataset.path": "train.jsonl"})
+    write_conversations(ws.root / "train.jsonl", 6)
     engine = Engine(ws)
     await engine.start()
 
-    async def states_become(server: str, capture: str, timeout: float = 60.0) -> None:
+    async def states_become(want: dict[str, str], timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            got = (engine.pipeline.report("server").state.value, engine.pipeline.report("capture").state.value)
-            if got == (server, capture):
+            got = {name: engine.pipeline.report(name).state.value for name in want}
+            if got == want:
                 return
             await asyncio.sleep(0.2)
-        raise AssertionError(f"server/capture stayed {got}, expected {(server, capture)}")
+        raise AssertionError(f"stages are {got}, expected {want}")
 
     try:
         assert engine.pipeline.report("server").state.value == "pending"
         await engine.start_server()
-        await states_become("passed", "passed")
+        await states_become({"server": "passed", "capture": "passed"})
         probe = {r.name: r for r in engine.pipeline.report("capture").results}
         assert probe["argmax"].status.value == "pass"
+        # A stage job that ends has its stage checked again: extraction done -> `extract` green.
+        await engine.run_checks(["extract"])
+        assert engine.pipeline.report("extract").state.value == "failed"
+        await engine.start_stage_job("extract")
+        await states_become({"extract": "passed"}, timeout=120)
         await engine.stop_server()
-        await states_become("failed", "failed")
+        await states_become({"server": "failed", "capture": "failed"})
         assert "stopped" in engine.pipeline.report("server").results[0].evidence
     finally:
         await engine.close()
