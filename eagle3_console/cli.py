@@ -22,8 +22,11 @@ STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
 
 
 def _common() -> argparse.ArgumentParser:
+    # SUPPRESS: a subcommand's parser must not reset a `-w DIR` given before the subcommand
+    # (`eagle3-console -w DIR status`); the top-level parser has its own -w with the None default.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-w", "--workspace", metavar="DIR", help="workspace directory (default: ./ or ./eagle3-workspace)")
+    common.add_argument("-w", "--workspace", metavar="DIR", default=argparse.SUPPRESS,
+                        help="workspace directory (default: ./ or ./eagle3-workspace)")
     return common
 
 
@@ -31,9 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     common = _common()
     parser = argparse.ArgumentParser(
         prog="eagle3-console",
-        parents=[common],
         description="Build EAGLE-3 drafters on SGLang from one terminal console.",
     )
+    # Its own -w action: parents share action objects, so a default set here would reach the subcommands.
+    parser.add_argument("-w", "--workspace", metavar="DIR", default=None,
+                        help="workspace directory (default: ./ or ./eagle3-workspace)")
     parser.add_argument("--read-only", action="store_true", help="attach without driving (never takes the lock)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 

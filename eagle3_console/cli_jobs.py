@@ -17,12 +17,18 @@ DEFAULT_GRACE_S = 30.0
 
 def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("jobs", help="list the workspace's jobs, show a job's log, stop a job", parents=[common])
-    p.add_argument("action", nargs="?", default="list", choices=["list", "logs", "stop"])
-    p.add_argument("job_id", nargs="?", metavar="ID", help="job id (as `jobs list` shows it)")
-    p.add_argument("-n", "--lines", type=int, default=50, help="log lines to show")
-    p.add_argument("--grace", type=float, default=None,
+    p.set_defaults(jobs_action="list", json=False)
+    actions = p.add_subparsers(dest="jobs_action", metavar="ACTION")
+    q = actions.add_parser("list", help="every job, newest first, with its progress (the default)", parents=[common])
+    q.add_argument("--json", action="store_true")
+    q = actions.add_parser("logs", help="the last lines of a job's log", parents=[common])
+    q.add_argument("job_id", metavar="ID", help="job id (as `jobs list` shows it)")
+    q.add_argument("-n", "--lines", type=int, default=50, help="log lines to show")
+    q = actions.add_parser("stop", help="SIGTERM (the job checkpoints and exits), SIGKILL after the grace",
+                           parents=[common])
+    q.add_argument("job_id", metavar="ID", help="job id (as `jobs list` shows it)")
+    q.add_argument("--grace", type=float, default=None,
                    help="seconds between SIGTERM and SIGKILL (default: extract 60, train 120, others 30)")
-    p.add_argument("--json", action="store_true")
 
 
 def cmd_jobs(args) -> int:
@@ -32,7 +38,8 @@ def cmd_jobs(args) -> int:
 
     ws = _open_workspace(args)
     jobs = JobManager(ws.jobs_dir)
-    if args.action == "list":
+    action = args.jobs_action or "list"
+    if action == "list":
         listed = jobs.list()
         rows = [_job_dict(j, with_progress=True) for j in listed]
         if args.json:
@@ -43,13 +50,11 @@ def cmd_jobs(args) -> int:
             code = "" if j["exit_code"] is None else f" exit {j['exit_code']}"
             print(f"{j['id']:<32} {j['kind']:<10} {j['state']}{code}{_progress_text(j.get('progress'))}")
         return 0
-    if not args.job_id:
-        return _fail(f"`jobs {args.action}` needs a job id: `eagle3-console jobs` lists them")
     try:
         info = jobs.get(args.job_id)
     except (JobError, UnsafeNameError) as exc:
         return _fail(str(exc))
-    if args.action == "logs":
+    if action == "logs":
         print("\n".join(jobs.tail(info.id, max(1, args.lines))))
         return 0
     # stop

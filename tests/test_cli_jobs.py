@@ -45,6 +45,10 @@ def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
 def test_jobs_list_logs_and_a_clean_stop(tmp_path):
     ws = make_workspace(tmp_path)
     assert "no jobs in" in jobs_cli(ws).stdout
+    for argv in (["-w", str(ws.root), "jobs"], ["-w", str(ws.root), "status"]):  # -w before the command
+        before = subprocess.run([sys.executable, "-m", "eagle3_console", *argv], capture_output=True, text=True,
+                                timeout=120, cwd=tmp_path)
+        assert before.returncode == 0 and str(ws.root) in before.stdout, (argv, before.stderr)
     jobs = JobManager(ws.jobs_dir)
     job = jobs.start("extract", [sys.executable, "-c", GRACEFUL_JOB])
     try:
@@ -78,7 +82,7 @@ def test_jobs_list_logs_and_a_clean_stop(tmp_path):
 def test_jobs_bad_requests_get_clear_errors(tmp_path):
     ws = make_workspace(tmp_path)
     no_id = jobs_cli(ws, "stop")
-    assert no_id.returncode == 2 and "needs a job id" in no_id.stderr and "jobs` lists them" in no_id.stderr
+    assert no_id.returncode == 2 and "required: ID" in no_id.stderr and "jobs stop" in no_id.stderr
     unknown = jobs_cli(ws, "logs", "extract-nosuch")
     assert unknown.returncode == 2 and "no job 'extract-nosuch'" in unknown.stderr
     unsafe = jobs_cli(ws, "stop", "../../etc")
