@@ -420,6 +420,7 @@ class ModelRunner:
         for row, req in enumerate(group):
             input_ids[row, : lengths[row]] = torch.tensor(req.input_ids, dtype=torch.long)
             mask[row, : lengths[row]] = 1
+        host_ids = input_ids  # the captured ids come from here: no device-to-host copy, no sync
         input_ids, mask = input_ids.to(device), mask.to(device)
         positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, -1)
         # Logits only where a next token is needed: the last real position of each row.
@@ -439,7 +440,7 @@ class ModelRunner:
             logits, cache = self._forward(input_ids, mask, positions, None, keep)
             self._hooks_active = False
             if capture_rows:
-                self._queue_captures(group, completions, capture_rows, lengths, input_ids)
+                self._queue_captures(group, completions, capture_rows, lengths, host_ids)
             self._hook_store.clear()
             if keep is not None:
                 index_of = {pos: i for i, pos in enumerate(keep_positions)}
@@ -449,7 +450,7 @@ class ModelRunner:
             del logits
             self._decode(group, completions, lengths, mask, cache, last)
 
-    def _queue_captures(self, group, completions, rows, lengths, input_ids) -> None:
+    def _queue_captures(self, group, completions, rows, lengths, host_ids) -> None:
         import torch
 
         assert self.capture is not None
@@ -483,7 +484,7 @@ class ModelRunner:
                 final_dev.record_stream(self._copy_stream)
             else:
                 aux, final, copied = aux_dev, final_dev, None
-            ids = input_ids[row, :n].to("cpu")
+            ids = host_ids[row, :n]
             completions[row].capture_queued = True
             self._write_queue.put((completions[row], ids, aux, final, copied))  # blocks if the disk lags
 
