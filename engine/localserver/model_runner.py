@@ -476,7 +476,9 @@ class ModelRunner:
                     self._copy_stream.wait_event(cat_done)
                     aux.copy_(aux_dev, non_blocking=True)
                     final.copy_(final_dev, non_blocking=True)
-                    copied = torch.cuda.Event()
+                    # Blocking: the writer thread sleeps until the copy lands instead of spinning a
+                    # core (CUDA spin-waits by default), which the model thread needs.
+                    copied = torch.cuda.Event(blocking=True)
                     copied.record(self._copy_stream)
                 # The allocator must not hand these blocks to the next forward before the copy
                 # stream has read them.

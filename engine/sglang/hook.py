@@ -156,7 +156,9 @@ class CaptureHook:
             return
         event = None
         if hidden.is_cuda:
-            event = torch.cuda.Event()
+            # Blocking: the writer sleeps until the copies land instead of spinning a core (CUDA
+            # spin-waits by default) that SGLang's scheduler, a busy Python thread, needs.
+            event = torch.cuda.Event(blocking=True)
             event.record()
         with self._idle:
             self._outstanding += 1
