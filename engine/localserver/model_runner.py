@@ -461,19 +461,19 @@ class ModelRunner:
             # The copies run on their own stream, overlapping the next batch's forward instead of
             # queuing behind it on the compute stream.
             self._copy_stream = torch.cuda.Stream(device=final_states.device)
-        for row in rows:
-            n = lengths[row]
-            aux_dev = torch.cat([states[row, :n] for states in layer_states], dim=-1)
-            final_dev = final_states[row, :n]
+        on_device = [(row, torch.cat([states[row, :lengths[row]] for states in layer_states], dim=-1),
+                      final_states[row, :lengths[row]]) for row in rows]
+        if on_gpu:
+            cat_done = torch.cuda.Event()  # one for the batch: the copy stream starts after every cat
+            cat_done.record()
+            self._copy_stream.wait_event(cat_done)
+        for row, aux_dev, final_dev in on_device:
             if on_gpu:
                 # Pinned buffers + non-blocking copies: the forward never waits for the host;
                 # the writer thread waits on the event instead.
                 aux = torch.empty(aux_dev.shape, dtype=aux_dev.dtype, pin_memory=True)
                 final = torch.empty(final_dev.shape, dtype=final_dev.dtype, pin_memory=True)
-                cat_done = torch.cuda.Event()
-                cat_done.record()
                 with torch.cuda.stream(self._copy_stream):
-                    self._copy_stream.wait_event(cat_done)
                     aux.copy_(aux_dev, non_blocking=True)
                     final.copy_(final_dev, non_blocking=True)
                     # Blocking: the writer thread sleeps until the copy lands instead of spinning a
@@ -486,9 +486,9 @@ class ModelRunner:
                 final_dev.record_stream(self._copy_stream)
             else:
                 aux, final, copied = aux_dev, final_dev, None
-            ids = host_ids[row, :n]
             completions[row].capture_queued = True
-            self._write_queue.put((completions[row], ids, aux, final, copied))  # blocks if the disk lags
+            # The ids come from the host batch: no device-to-host copy, no sync.
+            self._write_queue.put((completions[row], host_ids[row, :lengths[row]], aux, final, copied))
 
     def _decode(self, group, completions, lengths, mask, cache, last_logits) -> None:
         import torch
