@@ -75,7 +75,7 @@ def cmd_jobs(args) -> int:
             return _fail("--grace must be >= 0 seconds")
         print(f"stopping {info.kind} job {info.id} (SIGTERM, SIGKILL after {grace:g} s)…", flush=True)
         started = time.monotonic()
-        final = jobs.stop_sync(info.id, grace=grace)
+        final = _stop(ws, jobs, info, grace)
     finally:
         probe.release()
     progress = _last_progress(final)
@@ -85,3 +85,17 @@ def cmd_jobs(args) -> int:
         for line in final.last_log_lines[-5:]:
             print(f"  | {line}", file=sys.stderr)
     return 0 if not final.active else 1
+
+
+def _stop(ws, jobs, info, grace: float):
+    """The server's job goes through the server manager, which first records that the server is
+    meant to be stopped (else a console's restart policy would take the stop for a crash)."""
+    from engine.server.manager import ServerManager
+
+    manager = ServerManager(ws, jobs)
+    if info.kind == "server" and manager.record().get("job_id") == info.id:
+        import asyncio
+
+        asyncio.run(manager.stop(grace=grace))
+        return jobs.get(info.id)
+    return jobs.stop_sync(info.id, grace=grace)

@@ -88,3 +88,25 @@ def test_jobs_bad_requests_get_clear_errors(tmp_path):
     unsafe = jobs_cli(ws, "stop", "../../etc")
     assert unsafe.returncode == 2 and "job id" in unsafe.stderr and "Traceback" not in unsafe.stderr
     assert not (ws.root.parent / "etc").exists()
+
+
+def test_stopping_the_server_job_goes_through_the_server_manager(tiny_chat_model_dir, tmp_path):
+    """Else the server record still says "running" and a console's restart policy would take the
+    stop for a crash and start it again."""
+    import asyncio
+
+    from conftest import make_workspace as make_model_workspace
+    from engine.server.manager import ServerManager
+
+    ws = make_model_workspace(tmp_path / "ws", tiny_chat_model_dir)
+    manager = ServerManager(ws)
+    status = asyncio.run(manager.start())
+    try:
+        assert status.state == "ready"
+        stopped = jobs_cli(ws, "stop", status.job_id, "--grace", "10")
+        assert stopped.returncode == 0, stopped.stderr
+        after = asyncio.run(manager.poll())
+        assert after.state == "stopped", after
+        assert manager.record().get("desired") == "stopped"
+    finally:
+        asyncio.run(manager.stop(grace=5))
