@@ -467,6 +467,7 @@ class ModelRunner:
             cat_done = torch.cuda.Event()  # one for the batch: the copy stream starts after every cat
             cat_done.record()
             self._copy_stream.wait_event(cat_done)
+        items = []
         for row, aux_dev, final_dev in on_device:
             if on_gpu:
                 # Pinned buffers + non-blocking copies: the forward never waits for the host;
@@ -486,9 +487,14 @@ class ModelRunner:
                 final_dev.record_stream(self._copy_stream)
             else:
                 aux, final, copied = aux_dev, final_dev, None
-            completions[row].capture_queued = True
             # The ids come from the host batch: no device-to-host copy, no sync.
-            self._write_queue.put((completions[row], host_ids[row, :lengths[row]], aux, final, copied))
+            items.append((completions[row], host_ids[row, :lengths[row]], aux, final, copied))
+        # Every copy is queued before the first put, which blocks while the disk lags: the
+        # device copies of the batch are freed as they land, not held behind a full queue.
+        del on_device
+        for item in items:
+            item[0].capture_queued = True
+            self._write_queue.put(item)
 
     def _decode(self, group, completions, lengths, mask, cache, last_logits) -> None:
         import torch
