@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from engine.checks.base import StageReport
+from engine.checks.base import StageReport, StageState
 from engine.checks.context import CheckContext
 from engine.events import (
     DiskUpdated,
@@ -31,6 +31,7 @@ from engine.workspace import LockHolder, Workspace
 log = logging.getLogger(__name__)
 Listener = Callable[[Event], None]
 SERVER_STAGES = ("server", "capture")  # the stages whose results describe the running server
+SERVER_PHASES = {"ready": "up", "stopped": "down", "crashed": "down"}  # starting/unhealthy: in between
 JOB_STAGES = ("extract", "train", "evaluate")  # stages whose job (same name as kind) makes their data
 
 
@@ -68,6 +69,8 @@ class Engine:
         self._tasks: list[asyncio.Task] = []
         self._recheck_pending: set[str] = set()
         self._recheck_task: asyncio.Task | None = None
+        self._server_phase: str | None = None  # "up" or "down", the last one seen
+        self._closed = False
 
     @property
     def gpu_sampler(self):
@@ -187,14 +190,18 @@ class Engine:
         if previous is not None and previous.state != status.state and status.state == "crashed":
             self.notify("error", f"server crashed (exit {status.exit_code}): {status.error}")
         self._emit(ServerUpdated(status=status))
-        if previous is not None and (previous.state == "ready") != (status.state == "ready"):
-            # The last `server`/`capture` results describe a server that is gone.
-            self._recheck(SERVER_STAGES)
+        phase = SERVER_PHASES.get(status.state)
+        if phase is not None:
+            # Came up or went down (a passing unhealthy poll is neither): the last `server` and
+            # `capture` results describe a server that is gone.
+            if self._server_phase is not None and phase != self._server_phase:
+                self._recheck(SERVER_STAGES)
+            self._server_phase = phase
 
     def _recheck(self, stages) -> None:
         """Run these stages' checks again, in the background, because what they describe changed
         (a real check, as a key press would run). Only the driving console: checks persist reports."""
-        if self.read_only:
+        if self.read_only or self._closed:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -208,8 +215,14 @@ class Engine:
         from engine.pipeline import stage_names
 
         while self._recheck_pending:  # changes during a pass get one more pass
-            stages = [name for name in stage_names() if name in self._recheck_pending]
-            self._recheck_pending.clear()
+            # A stage being checked right now (a key press) is checked again after it: its
+            # result may predate the change.
+            busy = {n for n in self._recheck_pending if self.pipeline.report(n).state is StageState.RUNNING}
+            stages = [name for name in stage_names() if name in self._recheck_pending - busy]
+            self._recheck_pending = busy
+            if not stages:
+                await asyncio.sleep(0.5)
+                continue
             try:
                 await self.run_checks(stages)
             except Exception as exc:  # a check that crashes must not take the watchers down
@@ -238,6 +251,7 @@ class Engine:
 
     async def close(self) -> None:
         """Stop watching. Jobs keep running; the lock is released for the next console."""
+        self._closed = True  # a command finishing after this must not start checks
         if self._recheck_task is not None:
             self._tasks.append(self._recheck_task)
             self._recheck_task = None
@@ -264,8 +278,6 @@ class Engine:
         from engine.pipeline import stage_names
 
         from dataclasses import replace
-
-        from engine.checks.base import StageState
 
         for name in names or stage_names():
             running = replace(self.pipeline.reports[name], state=StageState.RUNNING, note="checking…")
