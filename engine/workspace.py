@@ -44,13 +44,20 @@ class WorkspaceLock:
         self.path = root / name
         self._fd: int | None = None
 
-    def acquire(self) -> bool:
+    def acquire(self, wait_s: float = 0.0) -> bool:
+        """Take the lock; False if another process holds it (after trying for `wait_s` seconds,
+        which rides out a moment's probe by held_elsewhere)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.05)
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
         os.fsync(fd)

@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,7 @@ class Extractor:
         self.bad: dict[str, str] = {}
         self._restart_lock = asyncio.Lock()
         self.progress: Progress | None = None
+        self._writes: ThreadPoolExecutor | None = None  # every write into the run dir goes through it
 
     # -- events
     def event(self, kind: str, **data) -> None:
@@ -129,12 +131,19 @@ class Extractor:
         from engine.workspace import WorkspaceLock
 
         self._run_lock = WorkspaceLock(self.run_dir, RUN_LOCK)
-        if not self._run_lock.acquire():
+        if not self._run_lock.acquire(wait_s=1.0):
             holder = self._run_lock.holder()
             who = holder.describe() if holder else "another process"
             raise ExtractionRefused(f"run {self.run_dir} is being extracted by {who}: wait for that job to finish "
                                     "or stop it (`eagle3-console jobs` lists them, `jobs stop ID` stops one), then start "
                                     "again; it resumes")
+
+    async def _in_writer(self, fn, *args):
+        """Run a write into the run directory on the run's writer threads, which the run waits for
+        before it lets go of the run lock (a cancelled await does not stop its thread)."""
+        if self._writes is None:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._writes, fn, *args)
 
     # -- spool of earlier sessions
     def _release_stale_spool(self) -> int:
@@ -262,7 +271,7 @@ class Extractor:
             load[i] += 1
             try:
                 cap = await self._capture(clients[i][1], sample, attempt, hidden)
-                entry = await asyncio.to_thread(self._write, sample, cap, hidden)
+                entry = await self._in_writer(self._write, sample, cap, hidden)
             except Outage:
                 load[i] -= 1
                 await self._server_back(clients[i][0], primary=(i == 0))
@@ -281,7 +290,7 @@ class Extractor:
                 if attempt > self.cfg.extract.max_retries:
                     self.bad[sample.id] = str(exc)
                     self.progress.bad = len(self.bad)
-                    await asyncio.to_thread(write_bad, self.run_dir, self.bad)
+                    await self._in_writer(write_bad, self.run_dir, dict(self.bad))
                     self.event("bad_sample", id=sample.id, reason=str(exc))
                     return
                 self.event("retry", id=sample.id, attempt=attempt, reason=str(exc))
@@ -375,10 +384,20 @@ class Extractor:
                 await self._process(sample, clients, load, hidden)
 
         reporter = asyncio.create_task(self._report())
+        n_workers = self.cfg.extract.concurrency * len(clients)
+        self._writes = ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="record-writer")
+        workers: list[asyncio.Task] = []
         try:
-            workers = [asyncio.create_task(worker()) for _ in range(self.cfg.extract.concurrency * len(clients))]
+            workers = [asyncio.create_task(worker()) for _ in range(n_workers)]
             await asyncio.gather(*workers)
         finally:
+            # One worker's error must not leave the others writing records after the run lock
+            # is released: stop them, then wait for the writes already under way.
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            writes, self._writes = self._writes, None
+            await asyncio.to_thread(writes.shutdown, True)
             reporter.cancel()
             for _, client in clients:
                 await client.aclose()

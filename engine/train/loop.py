@@ -347,7 +347,7 @@ class Trainer:
 
             self.out_dir.mkdir(parents=True, exist_ok=True)
             lock = WorkspaceLock(self.out_dir, ckpt.TRAIN_LOCK)
-            if not lock.acquire():
+            if not lock.acquire(wait_s=1.0):
                 holder = lock.holder()
                 raise TrainError(f"{self.out_dir} is being trained by {holder.describe() if holder else 'another process'}: "
                                  "wait for that job or stop it (`eagle3-console jobs stop ID`), or set train.run to a new name")
