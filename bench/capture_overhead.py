@@ -157,7 +157,7 @@ def main() -> int:  # noqa: C901 - a linear script
     parser.add_argument("--requests", type=int, default=None, help="requests per round")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=None, help="server batch size (default: --concurrency)")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8, help="rounds per side (alternating); the spread is printed")
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     parser.add_argument("--profile-server", metavar="OUT", default=None,
                         help="sample the server's thread stacks (bench/stack_sampler.py) into OUT, split by side")
@@ -215,9 +215,13 @@ def main() -> int:  # noqa: C901 - a linear script
                    "prompt_tokens": args.length, "requests_per_round": args.requests, "concurrency": args.concurrency,
                    "rounds": args.rounds, "capture_on_tok_s": round(on, 1), "capture_off_tok_s": round(off, 1),
                    "ratio_on_off": round(on / off, 3), "all_on": [round(x) for x in result["on"]],
-                   "all_off": [round(x) for x in result["off"]], "spool_write_ceiling": ceiling}
+                   "all_off": [round(x) for x in result["off"]], "spool_write_ceiling": ceiling,
+                   "per_round_ratios": [round(a / b, 3) for a, b in zip(result["on"], result["off"])]}
         print(json.dumps(summary, indent=2))
+        pairs = sorted(a / b for a, b in zip(result["on"], result["off"]))
         print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}]")
+        print(f"per-round ratios (round i on / round i off): min {pairs[0]:.3f}, median "
+              f"{statistics.median(pairs):.3f}, max {pairs[-1]:.3f} over {len(pairs)} rounds")
         print(f"spool write ceiling: {ceiling['tok_s']:,} tok/s ({ceiling['gb_s']} GB/s, {ceiling['threads']} writer "
               f"threads, {spool}); capture-on can reach at most {min(1.0, ceiling['tok_s'] / off):.3f} of off")
         return 0

@@ -27,9 +27,7 @@ import asyncio
 import hashlib
 import json
 import math
-import os
 import random
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -266,9 +264,9 @@ def follow(jobs, job_id: str, status_cmd: list[str], out: Path, tag: str, ws_dir
         fresh, offset = jobs.events(job_id, offset)
         if fresh:
             last_event = time.monotonic()
-        elif info.state == "running" and info.pid and time.monotonic() - last_event > 45:
-            # Silent for 45 s: the job's stacks (SIGUSR1, see engine.jobctx) say where it is.
-            os.kill(info.pid, signal.SIGUSR1)
+        elif info.state == "running" and time.monotonic() - last_event > 45:
+            # Silent for 45 s: the job's stacks (`eagle3-console jobs stacks`) say where it is.
+            jobs.dump_stacks(job_id)
             time.sleep(1.0)
             log(f"{tag} silent for {time.monotonic() - last_event:.0f} s; its log:\n  " + "\n  ".join(jobs.tail(job_id, 40)))
             last_event = time.monotonic()

@@ -1,4 +1,4 @@
-"""`eagle3-console jobs [list|logs ID|stop ID]`: the detached jobs of a workspace, headless.
+"""`eagle3-console jobs [list|logs ID|stacks ID|stop ID]`: the detached jobs of a workspace, headless.
 
 `run` detaches its jobs (Ctrl-C stops watching, not the job); this is how a script or an SSH
 session without the console lists them, reads their logs and stops one cleanly."""
@@ -24,6 +24,10 @@ def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
     q = actions.add_parser("logs", help="the last lines of a job's log", parents=[common])
     q.add_argument("job_id", metavar="ID", help="job id (as `jobs list` shows it)")
     q.add_argument("-n", "--lines", type=int, default=50, help="log lines to show")
+    q = actions.add_parser("stacks", help="a running job writes every thread's stack to its log; shows it",
+                           parents=[common])
+    q.add_argument("job_id", metavar="ID", help="job id (as `jobs list` shows it)")
+    q.add_argument("-n", "--lines", type=int, default=80, help="log lines to show")
     q = actions.add_parser("stop", help="SIGTERM (the job checkpoints and exits), SIGKILL after the grace",
                            parents=[common])
     q.add_argument("job_id", metavar="ID", help="job id (as `jobs list` shows it)")
@@ -32,11 +36,16 @@ def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_jobs(args) -> int:
-    from eagle3_console.cli import _fail, _job_dict, _last_progress, _open_workspace, _progress_text
+    from eagle3_console.cli import _fail, _job_dict, _last_progress, _progress_text, _workspace_arg
+    from engine.jobctx import JobRecordError
     from engine.jobs import JobError, JobManager
     from engine.names import UnsafeNameError
+    from engine.workspace import Workspace, WorkspaceError, find_workspace
 
-    ws = _open_workspace(args)
+    # The config is not read: a job must be listable and stoppable even while console.toml is broken.
+    ws = Workspace(find_workspace(_workspace_arg(args))[0])
+    if not ws.exists():
+        raise WorkspaceError(f"{ws.root} is not a workspace (no console.toml): pass -w DIR")
     jobs = JobManager(ws.jobs_dir)
     action = args.jobs_action or "list"
     if action == "list":
@@ -52,9 +61,17 @@ def cmd_jobs(args) -> int:
         return 0
     try:
         info = jobs.get(args.job_id)
-    except (JobError, UnsafeNameError) as exc:
+    except (JobError, JobRecordError, UnsafeNameError) as exc:
         return _fail(str(exc))
     if action == "logs":
+        print("\n".join(jobs.tail(info.id, max(1, args.lines))))
+        return 0
+    if action == "stacks":
+        pids = jobs.dump_stacks(info.id)
+        if not pids:
+            return _fail(f"job {info.id} is {info.state}, not running: `jobs logs {info.id}` shows how it ended")
+        time.sleep(1.0)  # the dump is written by the job itself, between two of its bytecodes
+        print(f"# stacks of job {info.id} (pids {', '.join(map(str, pids))}); it goes on running")
         print("\n".join(jobs.tail(info.id, max(1, args.lines))))
         return 0
     # stop
@@ -90,12 +107,13 @@ def cmd_jobs(args) -> int:
 def _stop(ws, jobs, info, grace: float):
     """The server's job goes through the server manager, which first records that the server is
     meant to be stopped (else a console's restart policy would take the stop for a crash)."""
-    from engine.server.manager import ServerManager
-
-    manager = ServerManager(ws, jobs)
-    if info.kind == "server" and manager.record().get("job_id") == info.id:
+    if info.kind == "server":
         import asyncio
 
-        asyncio.run(manager.stop(grace=grace))
-        return jobs.get(info.id)
+        from engine.server.manager import ServerManager
+
+        manager = ServerManager(ws, jobs)
+        if manager.record().get("job_id") == info.id:
+            asyncio.run(manager.stop(grace=grace))
+            return jobs.get(info.id)
     return jobs.stop_sync(info.id, grace=grace)

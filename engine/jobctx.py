@@ -135,8 +135,9 @@ class JobContext:
 
 
 def _dump_stacks_on_sigusr1() -> None:
-    """`kill -USR1 PID` writes every thread's stack to the job log (stderr): the way to see where a
-    job that seems stuck is, without stopping it."""
+    """SIGUSR1 writes every thread's stack to the job log (stderr): the way to see where a job that
+    seems stuck is, without stopping it. Send it with JobManager.dump_stacks (`eagle3-console jobs
+    stacks ID`), which spares torchrun (SIGUSR1 kills it)."""
     import faulthandler
 
     try:

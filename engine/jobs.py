@@ -319,6 +319,28 @@ class JobManager:
         events, used = complete_objects(data)
         return events, since_offset + used
 
+    # ---- looking inside -------------------------------------------------------------
+
+    def dump_stacks(self, job_id: str) -> list[int]:
+        """Ask a running job to write every thread's stack to its log (SIGUSR1, see
+        engine.jobctx); returns the pids signalled. Under torchrun the ranks are signalled, never
+        torchrun itself (SIGUSR1 would kill it) nor anything below the ranks (compile workers)."""
+        import psutil
+
+        record = read_record(self._job_dir(job_id))
+        if not _child_alive(record):
+            return []
+        try:
+            child = psutil.Process(record["pid"])
+            cmdline = child.cmdline()
+            launcher = any(part.endswith("torchrun") or part == "torch.distributed.run" for part in cmdline[:3])
+            targets = child.children() if launcher else [child]
+            for proc in targets:
+                proc.send_signal(signal.SIGUSR1)
+        except psutil.Error:
+            return []
+        return [proc.pid for proc in targets]
+
     # ---- stopping -------------------------------------------------------------------
 
     def _signal_group(self, record: Mapping[str, Any], sig: int) -> bool:

@@ -59,6 +59,10 @@ def test_jobs_list_logs_and_a_clean_stop(tmp_path):
         rows = json.loads(jobs_cli(ws, "list", "--json").stdout)
         assert [r["id"] for r in rows] == [job.id] and rows[0]["progress"]["done"] == 12
         assert jobs_cli(ws, "logs", job.id, "-n", "1").stdout.strip() == "working on sample 12"
+        stacks = jobs_cli(ws, "stacks", job.id)
+        assert stacks.returncode == 0 and f"# stacks of job {job.id}" in stacks.stdout, stacks.stderr
+        assert 'File "<string>"' in stacks.stdout and "in <module>" in stacks.stdout, stacks.stdout
+        assert jobs.get(job.id).state == "running"
 
         with lock_held_by_another_process(ws.root, LOCK_NAME) as console_pid:
             refused = jobs_cli(ws, "stop", job.id)
@@ -74,6 +78,8 @@ def test_jobs_list_logs_and_a_clean_stop(tmp_path):
         assert "checkpoint written at sample 12" in jobs.tail(job.id, 5)
         again = jobs_cli(ws, "stop", job.id)
         assert again.returncode == 0 and "nothing to stop" in again.stdout
+        ended = jobs_cli(ws, "stacks", job.id)
+        assert ended.returncode == 2 and "not running" in ended.stderr
     finally:
         if jobs.get(job.id).active:
             jobs.kill(job.id)
@@ -88,6 +94,15 @@ def test_jobs_bad_requests_get_clear_errors(tmp_path):
     unsafe = jobs_cli(ws, "stop", "../../etc")
     assert unsafe.returncode == 2 and "job id" in unsafe.stderr and "Traceback" not in unsafe.stderr
     assert not (ws.root.parent / "etc").exists()
+    damaged = ws.jobs_dir / "extract-damaged"
+    damaged.mkdir(parents=True)
+    (damaged / "job.json").write_text("{ half a record")
+    broken = jobs_cli(ws, "logs", "extract-damaged")
+    assert broken.returncode == 2 and "extract-damaged" in broken.stderr and "Traceback" not in broken.stderr
+    # A broken console.toml must not keep anyone from listing or stopping jobs.
+    ws.config_path.write_text(ws.config_path.read_text() + "\n[extract\nconcurrency = oops\n")
+    listed = jobs_cli(ws, "list")
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
 
 
 def test_stopping_the_server_job_goes_through_the_server_manager(tiny_chat_model_dir, tmp_path):

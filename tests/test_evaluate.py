@@ -143,13 +143,16 @@ def test_half_precision_divergence_from_greedy_is_explained_in_the_report(target
                                     base_completion_tokens=len(base.tokens),
                                     matches_greedy=spec.tokens == base.tokens,
                                     first_mismatch=first_mismatch(spec.tokens, base.tokens)))
-    differ = sum(1 for r in results if not r.matches_greedy)
-    assert differ > 0, "this tiny random target has near-ties: bfloat16 must part somewhere"
-    note = precision_note("bfloat16", results)
-    assert note.startswith(f"{differ} of {len(PROMPTS)} outputs differ from greedy: in bfloat16")
-    assert precision_note("float32", results) is None, "in float32 a difference is a bug, not rounding"
     same = [PromptResult(**{**r.__dict__, "matches_greedy": True}) for r in results]
+    one_differs = [PromptResult(**{**same[0].__dict__, "matches_greedy": False}), *same[1:]]
     assert precision_note("bfloat16", same) is None
+    assert precision_note("float16", one_differs).startswith(f"1 of {len(PROMPTS)} outputs differ from greedy")
+    assert precision_note("float32", one_differs) is None, "in float32 a difference is a bug, not rounding"
+    differ = sum(1 for r in results if not r.matches_greedy)
+    if differ == 0:  # bfloat16 rounding on a CPU depends on its instruction set and oneDNN
+        pytest.skip("this CPU's bfloat16 kept every output equal to greedy: nothing to explain")
+    assert precision_note("bfloat16", results).startswith(
+        f"{differ} of {len(PROMPTS)} outputs differ from greedy: in bfloat16")
 
 
 def test_stop_token_ends_both_decodes_identically(target):

@@ -389,3 +389,26 @@ def test_sigusr1_writes_the_stacks_of_a_running_job_to_its_log_and_it_goes_on(ma
     wait_log(manager, info.id, "in stuck_in_here")
     assert manager.get(info.id).state == "running", "a stack dump does not stop the job"
     manager.kill(info.id)
+
+
+def test_dump_stacks_signals_torchruns_ranks_never_torchrun(manager: JobManager, tmp_path: Path):
+    """A stand-in launcher named `torchrun` (a real process, as torchrun is a Python script) with one
+    rank: SIGUSR1 would kill torchrun, so the rank gets it and dumps its stacks."""
+    launcher = tmp_path / "torchrun"
+    launcher.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        rank = subprocess.Popen([{PY!r}, "-c", "import time; from engine.jobctx import JobContext; "
+                                 "JobContext.from_env(); print('rank ready', flush=True); time.sleep(60)"])
+        print("launcher pid", flush=True)
+        rank.wait()
+    """))
+    info = manager.start("train", [PY, str(launcher)], cwd=Path(__file__).resolve().parents[1])
+    wait_log(manager, info.id, "rank ready")
+    launcher_pid = manager.get(info.id).pid
+    rank_pid = psutil.Process(launcher_pid).children()[0].pid
+    assert manager.dump_stacks(info.id) == [rank_pid]
+    wait_log(manager, info.id, "Current thread")
+    time.sleep(0.3)
+    assert psutil.pid_exists(launcher_pid) and psutil.Process(launcher_pid).status() != psutil.STATUS_ZOMBIE
+    assert manager.get(info.id).state == "running"
+    manager.kill(info.id)
