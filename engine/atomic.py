@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, IO
+from typing import Any, Callable, IO, Iterable
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -24,6 +24,22 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def remove_dead_temp_files(root: str | os.PathLike, directories: Iterable[str]) -> int:
+    """Delete the temp files (`.NAME.XXXXXXXX.tmp`, as write_via_path names them) of writes that
+    never finished (a writer killed mid-write) in `root/<d>` for each glob `d`; returns how many.
+    They were never renamed into place, so no data goes with them. Call it only while no live
+    writer can be using those directories."""
+    removed = 0
+    for directory in directories:
+        for path in Path(root).glob(f"{directory}/.*.tmp"):
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def write_via_path(path: str | os.PathLike, writer: Callable[[str], None], mode: int = 0o644) -> None:

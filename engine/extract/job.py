@@ -132,8 +132,7 @@ class Extractor:
 
         self._run_lock = WorkspaceLock(self.run_dir, RUN_LOCK)
         if not self._run_lock.acquire(wait_s=1.0):
-            holder = self._run_lock.holder()
-            who = holder.describe() if holder else "another process"
+            who = self._run_lock.holder_text("another process")
             raise ExtractionRefused(f"run {self.run_dir} is being extracted by {who}: wait for that job to finish "
                                     "or stop it (`eagle3-console jobs` lists them, `jobs stop ID` stops one), then start "
                                     "again; it resumes")
@@ -345,7 +344,8 @@ class Extractor:
         from engine.client import ServerClient
 
         self._check_run_meta(plan, hidden, layers)
-        swept = await asyncio.to_thread(sweep_dead_temp_files, self.run_dir)
+        # Lock held: only a writer killed mid-write can have left a temp file among the records.
+        swept = await asyncio.to_thread(atomic.remove_dead_temp_files, self.run_dir, ["records/*"])
         if swept:
             self.event("swept_temp", count=swept)
         await asyncio.to_thread(self._release_stale_spool)
@@ -430,20 +430,6 @@ class Extractor:
         atomic.write_json(self.run_dir / COMPLETE, summary)
         self.event("finished", **summary)
         return 0
-
-
-def sweep_dead_temp_files(run_dir: Path) -> int:
-    """Remove the half-written record temp files (``records/*/.NAME.XXXX.tmp``, see engine.atomic)
-    of writers killed mid-write. They never reached the manifest, so no record is lost; call it
-    only with the run lock held, or a live writer's temp file could go."""
-    removed = 0
-    for path in run_dir.glob("records/*/.*.tmp"):
-        try:
-            path.unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
 
 
 def _vocab_size(model_dir: Path) -> int:

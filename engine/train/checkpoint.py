@@ -27,18 +27,11 @@ def ckpt_root(drafter_dir: Path) -> Path:
 
 
 def sweep_dead_temp_files(drafter_dir: Path) -> int:
-    """Remove what a training killed mid-save left: temp files (``.NAME.XXXX.tmp``, see
-    engine.atomic; a checkpoint's is as big as the optimizer state) and the step directories
-    they leave empty. Nothing there was ever named by latest.json. Call with TRAIN_LOCK held."""
+    """Remove what a training killed mid-save left: temp files (a checkpoint's is as big as the
+    optimizer state) and the step directories they leave empty. Nothing there was ever named by
+    latest.json. Call with TRAIN_LOCK held."""
     root = Path(drafter_dir)
-    removed = 0
-    for path in [*root.glob(".*.tmp"), *root.glob(f"{CKPT_DIR}/.*.tmp"), *root.glob(f"{CKPT_DIR}/step-*/.*.tmp"),
-                 *root.glob("export/.*.tmp")]:
-        try:
-            path.unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
+    removed = atomic.remove_dead_temp_files(root, [".", CKPT_DIR, f"{CKPT_DIR}/step-*", "export"])
     for step_dir in root.glob(f"{CKPT_DIR}/step-*"):
         try:
             step_dir.rmdir()  # only succeeds when empty
