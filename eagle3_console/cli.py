@@ -175,8 +175,7 @@ def cmd_run(args) -> int:
         return _fail(exc.args[0])
     lock = WorkspaceLock(ws.root)
     if not lock.acquire():
-        holder = lock.holder()
-        return _fail(f"{holder.describe() if holder else 'another console'} drives this workspace: run stages there")
+        return _fail(f"{lock.holder_text('another console')} drives this workspace: run stages there")
     return asyncio.run(_run_stages(ws, names))
 
 
@@ -493,8 +492,7 @@ def cmd_server(args) -> int:
 
         probe = WorkspaceLock(ws.root)
         if not probe.acquire():
-            holder = probe.holder()
-            return _fail(f"{holder.describe() if holder else 'another console'} drives this workspace: "
+            return _fail(f"{probe.holder_text('another console')} drives this workspace: "
                          f"{args.action} the server from that console")
     try:
         if args.action == "start":

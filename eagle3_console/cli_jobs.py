@@ -83,8 +83,7 @@ def cmd_jobs(args) -> int:
 
     probe = WorkspaceLock(ws.root)
     if not probe.acquire():
-        holder = probe.holder()
-        return _fail(f"{holder.describe() if holder else 'another console'} drives this workspace: "
+        return _fail(f"{probe.holder_text('another console')} drives this workspace: "
                      "stop the job from that console (it asks first)")
     try:
         grace = args.grace if args.grace is not None else STOP_GRACE_S.get(info.kind, DEFAULT_GRACE_S)

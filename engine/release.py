@@ -254,8 +254,7 @@ def in_use_reason(workspace, name: str) -> str | None:
 
     run_lock = WorkspaceLock(output_dir_of(workspace) / name, RUN_LOCK)
     if run_lock.held_elsewhere():
-        holder = run_lock.holder()
-        return (f"an extraction ({holder.describe() if holder else 'another process'}) is writing run {name!r}: "
+        return (f"an extraction ({run_lock.holder_text('another process')}) is writing run {name!r}: "
                 "stop it first, then release")
     from engine.jobs import JobManager
 

@@ -71,6 +71,11 @@ class WorkspaceLock:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def holder_text(self, unknown: str) -> str:
+        """The holder for a message ("pid 123 on host since ..."), or `unknown` if unreadable."""
+        holder = self.holder()
+        return holder.describe() if holder else unknown
+
     def live_holder(self) -> LockHolder | None:
         """The holder, unless the lock file only names a console of this host that has exited
         (the file keeps the last holder's details after the kernel drops its lock). Probing with

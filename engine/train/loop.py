@@ -348,8 +348,7 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             lock = WorkspaceLock(self.out_dir, ckpt.TRAIN_LOCK)
             if not lock.acquire(wait_s=1.0):
-                holder = lock.holder()
-                raise TrainError(f"{self.out_dir} is being trained by {holder.describe() if holder else 'another process'}: "
+                raise TrainError(f"{self.out_dir} is being trained by {lock.holder_text('another process')}: "
                                  "wait for that job or stop it (`eagle3-console jobs stop ID`), or set train.run to a new name")
             swept = ckpt.sweep_dead_temp_files(self.out_dir)  # lock held: no live writer owns them
             if swept:
