@@ -21,12 +21,14 @@ GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "run
 STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
 
 
+WORKSPACE_HELP = "workspace directory (default: ./ or ./eagle3-workspace)"
+
+
 def _common() -> argparse.ArgumentParser:
     # SUPPRESS: a subcommand's parser must not reset a `-w DIR` given before the subcommand
     # (`eagle3-console -w DIR status`); the top-level parser has its own -w with the None default.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-w", "--workspace", metavar="DIR", default=argparse.SUPPRESS,
-                        help="workspace directory (default: ./ or ./eagle3-workspace)")
+    common.add_argument("-w", "--workspace", metavar="DIR", default=argparse.SUPPRESS, help=WORKSPACE_HELP)
     return common
 
 
@@ -37,8 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build EAGLE-3 drafters on SGLang from one terminal console.",
     )
     # Its own -w action: parents share action objects, so a default set here would reach the subcommands.
-    parser.add_argument("-w", "--workspace", metavar="DIR", default=None,
-                        help="workspace directory (default: ./ or ./eagle3-workspace)")
+    parser.add_argument("-w", "--workspace", metavar="DIR", default=None, help=WORKSPACE_HELP)
     parser.add_argument("--read-only", action="store_true", help="attach without driving (never takes the lock)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -365,6 +366,12 @@ def _disk_dict(d) -> dict:
             "free": d.free, "reserve": d.reserve, "below_reserve": d.below_reserve}
 
 
+def job_line(job: dict) -> str:
+    """One job as `status` and `jobs list` print it: id, kind, state, exit code, progress."""
+    code = "" if job["exit_code"] is None else f" exit {job['exit_code']}"
+    return f"{job['id']:<32} {job['kind']:<10} {job['state']}{code}{_progress_text(job.get('progress'))}"
+
+
 def _progress_text(progress: dict | None) -> str:
     if not progress:
         return ""
@@ -401,8 +408,7 @@ def cmd_status(args) -> int:
           + (f", {srv['gen_throughput']:.1f} tok/s" if srv.get("gen_throughput") is not None else ""))
     print("jobs:" if data["jobs"] else "jobs: none")
     for j in data["jobs"]:
-        code = "" if j["exit_code"] is None else f" exit {j['exit_code']}"
-        print(f"  {j['id']:<32} {j['kind']:<10} {j['state']}{code}{_progress_text(j.get('progress'))}")
+        print(f"  {job_line(j)}")
     ev = data["evaluation"]
     if ev and ev.get("available"):
         al = ev.get("acceptance_length")
@@ -533,10 +539,7 @@ def _print_server(status) -> None:
 
 
 def _add_data_parser(sub) -> None:
-    # -w on the leaf parsers defaults to SUPPRESS so `eagle3-console -w DIR data list` keeps DIR.
-    leaf = argparse.ArgumentParser(add_help=False)
-    leaf.add_argument("-w", "--workspace", metavar="DIR", default=argparse.SUPPRESS,
-                      help="workspace directory (default: ./ or ./eagle3-workspace)")
+    leaf = _common()  # -w defaults to SUPPRESS there, so `eagle3-console -w DIR data list` keeps DIR
     p = sub.add_parser("data", help="list extraction runs, or release (delete) an old one", parents=[leaf])
     actions = p.add_subparsers(dest="data_action", metavar="ACTION")
     actions.required = True

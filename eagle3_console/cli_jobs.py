@@ -36,7 +36,7 @@ def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_jobs(args) -> int:
-    from eagle3_console.cli import _fail, _job_dict, _last_progress, _progress_text, _workspace_arg
+    from eagle3_console.cli import _fail, _job_dict, _last_progress, _progress_text, _workspace_arg, job_line
     from engine.jobctx import JobRecordError
     from engine.jobs import JobError, JobManager
     from engine.names import UnsafeNameError
@@ -49,15 +49,11 @@ def cmd_jobs(args) -> int:
     jobs = JobManager(ws.jobs_dir)
     action = args.jobs_action or "list"
     if action == "list":
-        listed = jobs.list()
-        rows = [_job_dict(j, with_progress=True) for j in listed]
+        rows = [_job_dict(j, with_progress=True) for j in jobs.list()]
         if args.json:
             print(json.dumps(rows, indent=2))
-        elif not rows:
-            print(f"no jobs in {ws.jobs_dir}")
-        for j in [] if args.json else rows:
-            code = "" if j["exit_code"] is None else f" exit {j['exit_code']}"
-            print(f"{j['id']:<32} {j['kind']:<10} {j['state']}{code}{_progress_text(j.get('progress'))}")
+        else:
+            print("\n".join(job_line(j) for j in rows) if rows else f"no jobs in {ws.jobs_dir}")
         return 0
     try:
         info = jobs.get(args.job_id)
