@@ -440,7 +440,7 @@ class ModelRunner:
             logits, cache = self._forward(input_ids, mask, positions, None, keep)
             self._hooks_active = False
             if capture_rows:
-                self._queue_captures(group, completions, capture_rows, lengths, host_ids)
+                self._queue_captures(completions, capture_rows, lengths, host_ids)
             self._hook_store.clear()
             if keep is not None:
                 index_of = {pos: i for i, pos in enumerate(keep_positions)}
@@ -450,7 +450,7 @@ class ModelRunner:
             del logits
             self._decode(group, completions, lengths, mask, cache, last)
 
-    def _queue_captures(self, group, completions, rows, lengths, host_ids) -> None:
+    def _queue_captures(self, completions, rows, lengths, host_ids) -> None:
         import torch
 
         assert self.capture is not None
