@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from engine.evaluate.fastllama import FAST_ENV, try_fast_target  # noqa: E402
-from engine.evaluate.specdec import DraftRunner, greedy_decode  # noqa: E402
+from engine.evaluate.specdec import DraftRunner, greedy_decode, speculative_decode  # noqa: E402
 from engine.train.model import DraftConfig, Eagle3Drafter  # noqa: E402
 
 SIZES = {
@@ -37,6 +37,9 @@ SIZES = {
                  num_attention_heads=4, num_key_value_heads=2),
     "88m": dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                 num_attention_heads=12, num_key_value_heads=4),
+    # the shape gpu_end_to_end.py trains (16 layers, hidden 640, 10 heads over 2 KV heads)
+    "e2e": dict(vocab_size=16384, hidden_size=640, intermediate_size=1728, num_hidden_layers=16,
+                num_attention_heads=10, num_key_value_heads=2),
 }
 
 
@@ -96,6 +99,49 @@ def step_ms(fn, device: torch.device, iters: int) -> float:
     return (time.perf_counter() - started) / iters * 1e3
 
 
+@torch.inference_mode()
+def moving_verify_ms(runner, block: torch.Tensor, start: int, steps: int, aux: list[int]) -> float:
+    """Mean ms of verify forwards at advancing positions, as decoding runs them: every step sees a
+    new key length (the fixed-position timing above cannot show per-shape costs)."""
+    device = block.device
+    sync(device)
+    started = time.perf_counter()
+    for i in range(steps):
+        runner.forward(block, start + i * block.shape[1], aux, all_logits=True)
+    sync(device)
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+def cudnn_comparison(target, drafter, runner, prompt: list[int], block: torch.Tensor, args) -> dict:
+    """Masked steps with cuDNN attention allowed vs turned off, side by side in this run."""
+    if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        return {}
+    aux = list(drafter.cfg.aux_layers_sglang)
+    rows = {}
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for allowed in (True, False):
+            torch.backends.cuda.enable_cudnn_sdp(allowed)
+            verify = moving_verify_ms(runner, block, len(prompt) + 1, 64, aux)
+            speculative_decode(target, drafter, prompt, 8, args.steps, aux)  # warm-up
+            spec = speculative_decode(target, drafter, prompt, args.tokens, args.steps, aux)
+            rows["cudnn_on" if allowed else "cudnn_off"] = {
+                "verify_moving_ms": round(verify, 3),
+                "spec_tok_s": round(len(spec.tokens) / spec.seconds, 1),
+                "spec_ms_per_verify": round(spec.seconds / max(spec.verify_steps, 1) * 1e3, 3)}
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.backends.cuda.enable_cudnn_sdp(True)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if block.is_cuda else [])
+            with profile(activities=activities) as prof:
+                speculative_decode(target, drafter, prompt, 32, args.steps, aux)
+            args.profile.write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    return {"cudnn_default": before, **rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -106,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=200, help="calls per step timing")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models run best on one)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--profile", type=Path, help="torch.profiler table of one speculative decode, cuDNN on")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -152,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter_ms = step_ms(draft_step, device, args.iters)
     extend_ms = step_ms(draft_extend, device, args.iters)
     estimate = 2.5 * target_ms / (verify_ms + k * drafter_ms + extend_ms)
+    cudnn = cudnn_comparison(target, drafter, runner, prompt, block, args)
 
     figures = {
         "size": args.size, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -161,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_step_ms": round(target_ms, 3), "verify_step_ms": round(verify_ms, 3),
         "drafter_step_ms": round(drafter_ms, 3), "draft_extend_ms": round(extend_ms, 3),
         "drafter_over_target_step": round(drafter_ms / target_ms, 2),
-        "estimated_speedup_at_accept_2_5": round(estimate, 2),
+        "estimated_speedup_at_accept_2_5": round(estimate, 2), "cudnn_attention": cudnn,
     }
     print(f"decode speed, {args.size} target on {figures['device']} ({figures['dtype']}), prompt "
           f"{args.prompt_len}, {args.tokens} new tokens, {k} draft steps")
@@ -174,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
           f"({drafter_ms / target_ms:.2f}x a target step)")
     print(f"  draft extend (3 accepted tokens)    : {extend_ms:9.3f} ms")
     print(f"  speedup these allow at accept 2.5   : {estimate:9.2f}x   (estimate)")
+    for name, row in cudnn.items():
+        if isinstance(row, dict):
+            print(f"  {name:9s}: verify at moving positions {row['verify_moving_ms']:8.3f} ms, speculative "
+                  f"decode {row['spec_tok_s']:8.1f} tok/s ({row['spec_ms_per_verify']:.3f} ms per verify step)")
+    if cudnn:
+        print(f"  cuDNN attention enabled by default: {cudnn['cudnn_default']}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -74,8 +74,12 @@ def load_local(workspace, export_dir: Path, tokenizer) -> LocalSetup:
     from engine.evaluate.specdec import check_aux_layers
     from engine.train.export import ExportError, load_export
 
+    from engine.evaluate.fastllama import avoid_cudnn_attention
+
     cfg = workspace.config
     device = resolve_device(cfg.server.device)
+    if device == "cuda":
+        avoid_cudnn_attention()
     dtype = resolve_dtype(cfg.model.dtype, device)
     import transformers
 
