@@ -139,7 +139,7 @@ def cudnn_comparison(target, drafter, runner, prompt: list[int], block: torch.Te
             args.profile.write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
-    return {"cudnn_default": before, **rows}
+    return {"enabled_by_default": before, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,12 +222,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({drafter_ms / target_ms:.2f}x a target step)")
     print(f"  draft extend (3 accepted tokens)    : {extend_ms:9.3f} ms")
     print(f"  speedup these allow at accept 2.5   : {estimate:9.2f}x   (estimate)")
-    for name, row in cudnn.items():
-        if isinstance(row, dict):
-            print(f"  {name:9s}: verify at moving positions {row['verify_moving_ms']:8.3f} ms, speculative "
-                  f"decode {row['spec_tok_s']:8.1f} tok/s ({row['spec_ms_per_verify']:.3f} ms per verify step)")
+    for name, row in cudnn.get("rows", {}).items():
+        print(f"  {name:9s}: verify at moving positions {row['verify_moving_ms']:8.3f} ms, speculative "
+              f"decode {row['spec_tok_s']:8.1f} tok/s ({row['spec_ms_per_verify']:.3f} ms per verify step)")
     if cudnn:
-        print(f"  cuDNN attention enabled by default: {cudnn['cudnn_default']}")
+        print(f"  cuDNN attention enabled by default: {cudnn['enabled_by_default']}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

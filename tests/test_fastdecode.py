@@ -261,16 +261,18 @@ def test_draft_runner_grows_and_keeps_the_training_attention(checkpoint):
 def test_cudnn_attention_is_turned_off_for_decoding_unless_asked_to_stay(monkeypatch):
     """Decode steps change the key length every step; cuDNN attention builds a plan per shape (an H200
     evaluation measured speculative decoding 5x slower than greedy). The flag is process-wide in torch."""
-    from engine.evaluate.fastllama import CUDNN_SDPA_ENV, avoid_cudnn_attention
+    from engine.sdpa import CUDNN_SDPA_ENV, avoid_cudnn_attention
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
         torch.backends.cuda.enable_cudnn_sdp(True)
         monkeypatch.setenv(CUDNN_SDPA_ENV, "1")
-        assert avoid_cudnn_attention() is False
+        assert avoid_cudnn_attention("cuda") is False
         assert torch.backends.cuda.cudnn_sdp_enabled() is True
         monkeypatch.delenv(CUDNN_SDPA_ENV)
-        assert avoid_cudnn_attention() is True
+        assert avoid_cudnn_attention("cpu") is False  # a CPU process keeps its settings
+        assert torch.backends.cuda.cudnn_sdp_enabled() is True
+        assert avoid_cudnn_attention("cuda:0") is True
         assert torch.backends.cuda.cudnn_sdp_enabled() is False
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)

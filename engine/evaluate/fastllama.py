@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 FAST_ENV = "EAGLE3_EVAL_FAST"
-CUDNN_SDPA_ENV = "EAGLE3_SDPA_CUDNN"  # "1" keeps cuDNN attention on (see avoid_cudnn_attention)
 _ATTR = "_eagle3_fast_target"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 # RoPE types whose frequencies are fixed at load time (inv_freq says it all, no attention scaling).
@@ -53,19 +52,6 @@ def _probe_gqa() -> bool:
 
 
 SDPA_GQA = _probe_gqa()
-
-
-def avoid_cudnn_attention() -> bool:
-    """Turn cuDNN's SDPA backend off for this process (flash / memory-efficient / math remain).
-
-    Decoding changes the key length at every step; cuDNN attention builds an execution plan per new
-    shape, so a masked verify or draft-extend step paid a plan build each time (an H200 evaluation
-    ran speculative decoding at 21 tok/s against 118 greedy). Call it in processes that decode
-    (the evaluation job, the local server). Returns whether cuDNN attention is now off."""
-    if os.environ.get(CUDNN_SDPA_ENV, "").strip() == "1" or not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
-        return False
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -72,14 +72,12 @@ def load_local(workspace, export_dir: Path, tokenizer) -> LocalSetup:
     from transformers import AutoModelForCausalLM
 
     from engine.evaluate.specdec import check_aux_layers
+    from engine.sdpa import avoid_cudnn_attention
     from engine.train.export import ExportError, load_export
-
-    from engine.evaluate.fastllama import avoid_cudnn_attention
 
     cfg = workspace.config
     device = resolve_device(cfg.server.device)
-    if device == "cuda":
-        avoid_cudnn_attention()
+    avoid_cudnn_attention(device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     import transformers
 

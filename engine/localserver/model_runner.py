@@ -217,10 +217,9 @@ class ModelRunner:
         if self.device == "cpu" and model.dtype == torch.float16:
             model = model.float()  # fp16 kernels are poor or missing on CPU
         self.model = model.to(self.device).eval()
-        if self.device.startswith("cuda"):
-            from engine.evaluate.fastllama import avoid_cudnn_attention
+        from engine.sdpa import avoid_cudnn_attention
 
-            avoid_cudnn_attention()  # decode steps change the key length: no per-shape plan builds
+        avoid_cudnn_attention(self.device)  # decode steps change the key length: no per-shape plan builds
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         except Exception:
