@@ -161,6 +161,9 @@ def main() -> int:  # noqa: C901 - a linear script
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     parser.add_argument("--profile-server", metavar="OUT", default=None,
                         help="sample the server's thread stacks (bench/stack_sampler.py) into OUT, split by side")
+    parser.add_argument("--probe-server", metavar="OUT", default=None,
+                        help="time the server's prefill forwards from inside (bench/runner_probe.py: host/GPU ms, "
+                             "allocator counts, captured vs plain) into OUT")
     args = parser.parse_args()
     global PHASE_FILE
     import torch
@@ -185,6 +188,8 @@ def main() -> int:  # noqa: C901 - a linear script
             PHASE_FILE = str(work / "phase")
             launcher += [str(Path(__file__).with_name("stack_sampler.py")), str(Path(args.profile_server).resolve()),
                          "--phase-file", PHASE_FILE, "--"]
+        elif args.probe_server:
+            launcher += [str(Path(__file__).with_name("runner_probe.py")), str(Path(args.probe_server).resolve()), "--"]
         server = subprocess.Popen(
             [*launcher, "-m", "engine.localserver", "--model-path", str(model_dir), "--port", str(port),
              "--device", "cuda" if gpu else "cpu", "--dtype", dtype, "--capture-layers",
@@ -206,6 +211,8 @@ def main() -> int:  # noqa: C901 - a linear script
                     time.sleep(0.5)
             result = asyncio.run(bench(url, spool, args, vocab))
         finally:
+            if args.probe_server:
+                time.sleep(2.5)  # the probe rewrites its file every 2 s: let it take in the last round
             server.terminate()
             server.wait(30)
         ceiling = spool_write_ceiling(spool, hidden, args.length, dtype)
@@ -222,6 +229,8 @@ def main() -> int:  # noqa: C901 - a linear script
         print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}]")
         print(f"per-round ratios (round i on / round i off): min {pairs[0]:.3f}, median "
               f"{statistics.median(pairs):.3f}, max {pairs[-1]:.3f} over {len(pairs)} rounds")
+        if args.probe_server and Path(args.probe_server).is_file():
+            print("server prefill probe:", Path(args.probe_server).read_text())
         print(f"spool write ceiling: {ceiling['tok_s']:,} tok/s ({ceiling['gb_s']} GB/s, {ceiling['threads']} writer "
               f"threads, {spool}); capture-on can reach at most {min(1.0, ceiling['tok_s'] / off):.3f} of off")
         return 0

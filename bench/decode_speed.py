@@ -11,7 +11,10 @@ random Eagle3Drafter of matching shape. Prints in one run:
 - milliseconds of one target step (1 token), one verify step (steps+1 tokens) and one drafter
   step (extend + propose, no host sync), and the drafter/target step ratio;
 - the speedup those step times allow at acceptance length 2.5 (tokens per verify step):
-  2.5 * target_step / (verify + steps * drafter_step + extend), an estimate, not a measurement.
+  2.5 * target_step / (verify + steps * drafter_step + extend), an estimate, not a measurement;
+- on CUDA: verify at advancing positions and end-to-end speculative decoding with cuDNN attention
+  on/off and with a boolean mask vs the lower-right causal bias; the local server's prefill
+  (transformers, padded batch) with cuDNN attention on/off.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from engine.evaluate import fastllama  # noqa: E402
 from engine.evaluate.fastllama import FAST_ENV, try_fast_target  # noqa: E402
 from engine.evaluate.specdec import DraftRunner, greedy_decode, speculative_decode  # noqa: E402
 from engine.train.model import DraftConfig, Eagle3Drafter  # noqa: E402
@@ -112,34 +116,79 @@ def moving_verify_ms(runner, block: torch.Tensor, start: int, steps: int, aux: l
     return (time.perf_counter() - started) / steps * 1e3
 
 
-def cudnn_comparison(target, drafter, runner, prompt: list[int], block: torch.Tensor, args) -> dict:
-    """Masked steps with cuDNN attention allowed vs turned off, side by side in this run."""
+MASKED_ROWS = (  # name, cuDNN attention allowed, lower-right causal bias for multi-token steps
+    ("cudnn_on_mask", True, False), ("cudnn_off_mask", False, False), ("cudnn_off_lower_right", False, True))
+
+
+def masked_attention_comparison(target, drafter, runner, prompt: list[int], block: torch.Tensor, args) -> dict:
+    """Masked steps (verify, draft extend) with cuDNN attention allowed or not, and with an explicit
+    boolean mask vs the lower-right causal bias (flash): side by side in this run."""
     if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
         return {}
     aux = list(drafter.cfg.aux_layers_sglang)
     rows = {}
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
-        for allowed in (True, False):
-            torch.backends.cuda.enable_cudnn_sdp(allowed)
+        for name, cudnn_allowed, lower_right in MASKED_ROWS:
+            torch.backends.cuda.enable_cudnn_sdp(cudnn_allowed)
+            fastllama.LOWER_RIGHT_CAUSAL = lower_right
             verify = moving_verify_ms(runner, block, len(prompt) + 1, 64, aux)
             speculative_decode(target, drafter, prompt, 8, args.steps, aux)  # warm-up
             spec = speculative_decode(target, drafter, prompt, args.tokens, args.steps, aux)
-            rows["cudnn_on" if allowed else "cudnn_off"] = {
+            rows[name] = {
                 "verify_moving_ms": round(verify, 3),
                 "spec_tok_s": round(len(spec.tokens) / spec.seconds, 1),
                 "spec_ms_per_verify": round(spec.seconds / max(spec.verify_steps, 1) * 1e3, 3)}
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
-            torch.backends.cuda.enable_cudnn_sdp(True)
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            fastllama.LOWER_RIGHT_CAUSAL = True
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if block.is_cuda else [])
             with profile(activities=activities) as prof:
                 speculative_decode(target, drafter, prompt, 32, args.steps, aux)
             args.profile.write_text(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+        fastllama.LOWER_RIGHT_CAUSAL = True
     return {"enabled_by_default": before, "rows": rows}
+
+
+@torch.inference_mode()
+def prefill_comparison(target, batch: int, length: int, rounds: int = 3) -> dict:
+    """The local server's prefill (transformers forward, right-padded batch with an attention mask)
+    with cuDNN attention allowed vs off, alternating: equal lengths, and lengths spread over half..full."""
+    if not torch.cuda.is_available():
+        return {}
+    device = target.device
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(10, target.config.vocab_size, (batch, length), generator=gen).to(device)
+    mixed_lengths = torch.randint(length // 2, length + 1, (batch,), generator=gen)
+    mixed_lengths[0] = length
+    masks = {"equal": torch.ones(batch, length, dtype=torch.long, device=device),
+             "mixed": (torch.arange(length)[None, :] < mixed_lengths[:, None]).long().to(device)}
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    times: dict = {}
+    try:
+        for _ in range(rounds):
+            for allowed in (True, False):
+                torch.backends.cuda.enable_cudnn_sdp(allowed)
+                for kind, mask in masks.items():
+                    target(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)  # warm-up
+                    sync(device)
+                    started = time.perf_counter()
+                    for _ in range(5):
+                        target(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+                    sync(device)
+                    tokens = int(mask.sum()) * 5
+                    times.setdefault((kind, allowed), []).append(tokens / (time.perf_counter() - started))
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    out = {"batch": batch, "length": length}
+    for kind in masks:
+        on, off = max(times[(kind, True)]), max(times[(kind, False)])
+        out[kind] = {"cudnn_on_tok_s": round(on), "cudnn_off_tok_s": round(off), "off_over_on": round(off / on, 3)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=200, help="calls per step timing")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models run best on one)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--profile", type=Path, help="torch.profiler table of one speculative decode, cuDNN on")
+    parser.add_argument("--profile", type=Path, help="torch.profiler table of one speculative decode (as the "
+                        "evaluation runs it: cuDNN off, lower-right causal)")
+    parser.add_argument("--prefill-batch", type=int, default=8, help="server prefill comparison: batch (CUDA only)")
+    parser.add_argument("--prefill-len", type=int, default=512, help="server prefill comparison: prompt tokens")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -199,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     drafter_ms = step_ms(draft_step, device, args.iters)
     extend_ms = step_ms(draft_extend, device, args.iters)
     estimate = 2.5 * target_ms / (verify_ms + k * drafter_ms + extend_ms)
-    cudnn = cudnn_comparison(target, drafter, runner, prompt, block, args)
+    cudnn = masked_attention_comparison(target, drafter, runner, prompt, block, args)
+    prefill = prefill_comparison(target, args.prefill_batch, args.prefill_len)
 
     figures = {
         "size": args.size, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -209,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_step_ms": round(target_ms, 3), "verify_step_ms": round(verify_ms, 3),
         "drafter_step_ms": round(drafter_ms, 3), "draft_extend_ms": round(extend_ms, 3),
         "drafter_over_target_step": round(drafter_ms / target_ms, 2),
-        "estimated_speedup_at_accept_2_5": round(estimate, 2), "cudnn_attention": cudnn,
+        "estimated_speedup_at_accept_2_5": round(estimate, 2), "masked_attention": cudnn,
+        "server_prefill_cudnn": prefill,
     }
     print(f"decode speed, {args.size} target on {figures['device']} ({figures['dtype']}), prompt "
           f"{args.prompt_len}, {args.tokens} new tokens, {k} draft steps")
@@ -227,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
               f"decode {row['spec_tok_s']:8.1f} tok/s ({row['spec_ms_per_verify']:.3f} ms per verify step)")
     if cudnn:
         print(f"  cuDNN attention enabled by default: {cudnn['enabled_by_default']}")
+    for kind in ("equal", "mixed"):
+        if kind in prefill:
+            row = prefill[kind]
+            print(f"  server prefill {prefill['batch']} x {prefill['length']} ({kind} lengths): cuDNN on "
+                  f"{row['cudnn_on_tok_s']:,} tok/s, off {row['cudnn_off_tok_s']:,} tok/s (off/on {row['off_over_on']})")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -5,7 +5,7 @@
                              [--embed bf16|fp32] [--zero-grad early|late] [--chunk-rows N]
                              [--compare] [--profile] [--cpu-smoke]
 
-Random records (batch 1, bf16 states), the real training step of engine.train (teacher over the
+Random records (batch 1 unless --records, bf16 states), the real training step of engine.train (teacher over the
 full 128,256-token LM head, 7 TTT steps, AdamW on fp32 master weights, bf16 autocast). Reports
 steady-state tokens/s against SpecForge, achieved TFLOP/s (model FLOPs, counted below) against
 the bf16 matmul rate measured in the same run, and peak allocated memory against SpecForge's.
@@ -18,12 +18,15 @@ SpecForge reference: 13,100 tok/s at 2048 and 15,900 at 4096 with 13.1 / 17.8 Gi
   --profile     after timing, one more step under torch.profiler: the 15 CUDA kernels with the most
                 total time (on CPU: the 15 ops with the most self time)
   --cpu-smoke   tiny shapes on the CPU, to check that the script runs (figures mean nothing)
+  --shape e2e   the drafter of bench/gpu_end_to_end.py's target (hidden 640, vocab 8,192)
+  --records N.. records per step, several values side by side (tokens/s counts all of them)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import sys
 import time
@@ -42,6 +45,9 @@ from engine.train.model import DraftConfig, Eagle3Drafter  # noqa: E402
 SHAPES = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
               vocab_size=128256, draft_vocab_size=32000, rope_theta=500000.0, max_position_embeddings=131072,
               aux_layers_sglang=[2, 16, 29])
+# the drafter of the target bench/gpu_end_to_end.py trains (16 layers, hidden 640, vocab 8,192)
+E2E_SHAPES = dict(hidden_size=640, num_attention_heads=10, num_key_value_heads=2, intermediate_size=1728,
+                  vocab_size=8192, draft_vocab_size=8192, max_position_embeddings=2048, aux_layers_sglang=[2, 8, 15])
 SMOKE_SHAPES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
                     vocab_size=1000, draft_vocab_size=256, aux_layers_sglang=[2, 4, 6])
 SPECFORGE = {2048: (13100.0, 13.1), 4096: (15900.0, 17.8)}  # tokens/s, peak GiB
@@ -97,7 +103,7 @@ def _sync(device: torch.device) -> None:
 
 
 def build(cfg: DraftConfig, t: int, steps: int, backend: str, variant: Variant, device: torch.device,
-          chunk_rows: int | None):
+          chunk_rows: int | None, records: int = 1):
     """Model, teacher, optimizer and one random record; returns the training-step closure."""
     gpu = device.type == "cuda"
     torch.manual_seed(0)
@@ -121,9 +127,9 @@ def build(cfg: DraftConfig, t: int, steps: int, backend: str, variant: Variant, 
         optim = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, foreach=True)
     h = cfg.hidden_size
     state_dtype = torch.bfloat16 if gpu else torch.float32
-    batch = Batch(torch.randint(0, cfg.vocab_size, (1, t)), torch.ones(1, t, dtype=torch.bool),
-                  torch.randn(1, t, 3 * h, dtype=state_dtype), torch.randn(1, t, h, dtype=state_dtype),
-                  torch.tensor([t]))
+    batch = Batch(torch.randint(0, cfg.vocab_size, (records, t)), torch.ones(records, t, dtype=torch.bool),
+                  torch.randn(records, t, 3 * h, dtype=state_dtype), torch.randn(records, t, h, dtype=state_dtype),
+                  torch.tensor([t] * records))
 
     def one_step() -> torch.Tensor:
         if variant.early_zero_grad:
@@ -174,9 +180,9 @@ def profile_step(one_step, device: torch.device) -> list[dict]:
 
 
 def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, variant: Variant,
-               device: torch.device, chunk_rows: int | None, profile: bool) -> dict:
+               device: torch.device, chunk_rows: int | None, profile: bool, records: int = 1) -> dict:
     gpu = device.type == "cuda"
-    one_step = build(cfg, t, steps, backend, variant, device, chunk_rows)
+    one_step = build(cfg, t, steps, backend, variant, device, chunk_rows, records)
     if gpu:  # the peak from here on: resident weights, optimizer state and the steps themselves
         torch.cuda.reset_peak_memory_stats(device)
     first_loss = float(one_step())  # compile + allocator warm-up; same seed, so variants compare
@@ -187,8 +193,8 @@ def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, v
         one_step()
     _sync(device)
     seconds = (time.perf_counter() - start) / iters
-    result = {"tokens": t, "variant": asdict(variant), "step_s": seconds, "tokens_per_s": t / seconds,
-              "tflops": model_flops(cfg, t, steps) / seconds / 1e12, "first_loss": first_loss,
+    result = {"tokens": t, "records": records, "variant": asdict(variant), "step_s": seconds,
+              "tokens_per_s": records * t / seconds, "tflops": records * model_flops(cfg, t, steps) / seconds / 1e12, "first_loss": first_loss,
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:
         result["kernels"] = profile_step(one_step, device)
@@ -200,8 +206,8 @@ def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, v
 
 
 def format_row(r: dict, peak_tflops: float | None, tag: str) -> str:
-    ref = SPECFORGE.get(r["tokens"])
-    line = f"T={r['tokens']:6d}  {tag:14s} {r['tokens_per_s']:9.0f} tok/s"
+    ref = SPECFORGE.get(r["tokens"]) if r.get("records", 1) == 1 and r.get("shape", "llama8b") == "llama8b" else None
+    line = f"T={r['tokens']:6d} x{r.get('records', 1):<3d} {tag:14s} {r['tokens_per_s']:9.0f} tok/s ({r['step_s'] * 1e3:.1f} ms/step)"
     line += f"  {r['tokens_per_s'] / ref[0]:5.2f}x SpecForge (goal {GOAL:.2f}x)" if ref else "  (no SpecForge figure)"
     if r["peak_gib"] is not None:
         line += f"  peak {r['peak_gib']:5.1f} GiB"
@@ -236,6 +242,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="top 15 CUDA kernels of one step per length")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--json", default="")
+    parser.add_argument("--shape", default="llama8b", choices=["llama8b", "e2e"],
+                        help="drafter shape: Llama-3.1-8B's, or that of gpu_end_to_end.py's 80M target")
+    parser.add_argument("--records", type=int, nargs="+", default=[1], help="records per step (padded batch)")
     args = parser.parse_args()
     variants = [(loss, Variant(loss, args.optim, args.embed, args.zero_grad == "early")) for loss in args.loss]
     if args.compare:
@@ -250,27 +259,27 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("bench/training.py needs a CUDA GPU (or --cpu-smoke)")
             return 2
-        device, cfg = torch.device("cuda"), DraftConfig(**SHAPES)
+        device, cfg = torch.device("cuda"), DraftConfig(**(E2E_SHAPES if args.shape == "e2e" else SHAPES))
         lengths, backend, iters = args.lengths or [2048, 4096, 16384], args.backend, args.iters
         peak = matmul_tflops()
         print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  bf16 matmul {peak:.0f} TFLOP/s")
     for tag, v in variants:
         print(f"  {tag:14s} {v.label}")
     rows = []
-    for t in lengths:
-        for tag, v in variants:
-            try:
-                r = run_length(cfg, t, args.steps, iters, backend, v, device, args.chunk_rows, args.profile)
-            except torch.OutOfMemoryError as exc:
-                r = {"tokens": t, "variant": asdict(v), "error": f"OOM: {str(exc).splitlines()[0]}"}
-                torch.cuda.empty_cache()
-            rows.append(r)
-            if "error" in r:
-                print(f"T={t:6d}  {tag:14s} {r['error']}", flush=True)
-                continue
-            print(format_row(r, peak, tag), flush=True)
-            if "kernels" in r:
-                print_kernels(r["kernels"], device.type == "cuda")
+    for t, records, (tag, v) in itertools.product(lengths, args.records, variants):
+        try:
+            r = run_length(cfg, t, args.steps, iters, backend, v, device, args.chunk_rows, args.profile, records)
+            r["shape"] = args.shape
+        except torch.OutOfMemoryError as exc:
+            r = {"tokens": t, "records": records, "variant": asdict(v), "error": f"OOM: {str(exc).splitlines()[0]}"}
+            torch.cuda.empty_cache()
+        rows.append(r)
+        if "error" in r:
+            print(f"T={t:6d} x{records:<3d} {tag:14s} {r['error']}", flush=True)
+            continue
+        print(format_row(r, peak, tag), flush=True)
+        if "kernels" in r:
+            print_kernels(r["kernels"], device.type == "cuda")
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_tflops": peak, "rows": rows}, indent=1))
     return 0

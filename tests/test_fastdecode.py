@@ -276,3 +276,48 @@ def test_cudnn_attention_is_turned_off_for_decoding_unless_asked_to_stay(monkeyp
         assert torch.backends.cuda.cudnn_sdp_enabled() is False
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_offset_causal_picks_the_mask_form_by_device():
+    """One token needs no mask and a prefill from 0 is SDPA's own is_causal; several tokens after a
+    prefix need query i to see keys 0..start+i: an explicit mask on CPU, a lower-right causal bias on CUDA."""
+    from torch.nn.attention.bias import CausalBias
+
+    from engine.evaluate.fastllama import causal_offset_mask, offset_causal
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert offset_causal(1, 7, cpu) is None and offset_causal(1, 7, cuda) is None
+    assert offset_causal(5, 0, cpu) is None and offset_causal(5, 0, cuda) is None
+    mask = offset_causal(3, 2, cpu)
+    assert mask.tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
+    assert torch.equal(mask, causal_offset_mask(3, 2, cpu))
+    bias = offset_causal(3, 2, cuda)  # built lazily: no CUDA call until SDPA runs it
+    assert isinstance(bias, CausalBias) and (bias.seq_len_q, bias.seq_len_kv) == (3, 5)
+    assert torch.equal(bias._materialize(cpu), mask)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: flash attention with a lower-right causal bias")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lower_right_attention_equals_the_explicit_mask_cuda(dtype):
+    """The verify step's attention (4 new tokens after a cached prefix, GQA) gives the same output through
+    the lower-right bias (flash in bf16, memory-efficient in fp32) as through the boolean mask."""
+    from engine.evaluate import fastllama
+    from engine.evaluate.fastllama import attend, offset_causal, rope_tables
+
+    torch.manual_seed(0)
+    heads, kv, hd, start, t = 8, 2, 64, 37, 4
+    qkv = torch.randn(t, (heads + 2 * kv) * hd, device="cuda", dtype=dtype)
+    cos, sin = rope_tables(torch.rand(hd // 2, device="cuda"), 64, dtype)
+    cached_keys = torch.randn(1, kv, 64, hd, device="cuda", dtype=dtype)
+    cached_values = torch.randn(1, kv, 64, hd, device="cuda", dtype=dtype)
+    outs = []
+    for lower_right in (True, False):
+        keys, values = cached_keys.clone(), cached_values.clone()  # attend writes the new k/v into them
+        fastllama.LOWER_RIGHT_CAUSAL = lower_right
+        try:
+            mask = offset_causal(t, start, torch.device("cuda"))
+            outs.append(attend(qkv, keys, values, start, cos[start:start + t], sin[start:start + t], heads, kv, hd, mask))
+        finally:
+            fastllama.LOWER_RIGHT_CAUSAL = True
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (outs[0].float() - outs[1].float()).abs().max().item() < tolerance

@@ -81,14 +81,34 @@ def causal_offset_mask(t: int, start: int, device) -> torch.Tensor:
     return torch.arange(start + t, device=device)[None, :] <= rows
 
 
+# Bottom-right causal attention (`causal_lower_right`) for several new tokens after a cached prefix.
+# On CUDA it runs flash attention without a mask tensor; a boolean mask forces the memory-efficient
+# kernel plus a mask conversion in every layer. bench/decode_speed.py switches it off for its
+# side-by-side rows; on CPU the explicit mask is used (the bias would only be materialised there).
+LOWER_RIGHT_CAUSAL = True
+
+
+def offset_causal(t: int, start: int, device: torch.device):
+    """The attention mask for `t` new tokens at positions start..: None when SDPA's own `is_causal`
+    (start 0) or no mask (one token) says it, else a lower-right causal bias (CUDA) or the explicit
+    boolean mask. Both mean: query i sees keys 0 .. start+i."""
+    if t == 1 or start == 0:
+        return None
+    if device.type == "cuda" and LOWER_RIGHT_CAUSAL:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(t, start + t)
+    return causal_offset_mask(t, start, device)
+
+
 def attend(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
            cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
            mask: torch.Tensor | None) -> torch.Tensor:
     """Fused projections [t, (h + 2kv) * hd] at positions start.. -> attention output [t, h * hd].
 
     RoPE on q and k (cos/sin [t, hd]), the new k/v written into the caches [1, kv, capacity, hd],
-    SDPA over the first start + t cache entries. `mask` is None for one token or a prefill from
-    position 0. Head-major views throughout: a decode step is dominated by per-op overhead."""
+    SDPA over the first start + t cache entries. `mask` comes from `offset_causal` (None for one
+    token or a prefill from position 0). Head-major views throughout: a decode step is dominated by per-op overhead."""
     t = qkv.shape[0]
     end = start + t
     qk, v = qkv.view(t, heads + 2 * kv_heads, head_dim).transpose(0, 1).split([heads + kv_heads, kv_heads])
@@ -274,7 +294,7 @@ class FastLlama:
         self.reserve(end)
         x = F.embedding(input_ids[0], self.embed)
         cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
-        mask = causal_offset_mask(t, start_pos, x.device) if t > 1 and start_pos > 0 else None
+        mask = offset_causal(t, start_pos, x.device)
         wanted = {int(j) for j in aux_layers}
         if any(not 0 <= j < len(self.layers) for j in wanted):
             raise ValueError(f"aux layers {list(aux_layers)} must lie in 0..{len(self.layers) - 1}")

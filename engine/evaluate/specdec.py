@@ -41,8 +41,8 @@ from engine.evaluate.fastllama import (
     MIN_CAPACITY,
     FastLlama,
     attend,
-    causal_offset_mask,
     grown,
+    offset_causal,
     rms_norm,
     rope_tables,
     try_fast_target,
@@ -180,7 +180,7 @@ class DraftRunner:
         feature = feature[0]
         embeds = F.embedding(input_ids[0], self.embed).to(feature.dtype)
         x = torch.cat([rms_norm(embeds, *norms["input"]), rms_norm(feature, *norms["hidden"])], dim=-1)
-        mask = causal_offset_mask(t, start, x.device) if t > 1 and start > 0 else None
+        mask = offset_causal(t, start, x.device)
         out = attend(F.linear(x, self.qkv), self.keys, self.values, start, self.cos[start:end],
                      self.sin[start:end], self.heads, self.kv_heads, self.head_dim, mask)
         hidden = torch.addmm(feature, out, self.o_t)
