@@ -381,7 +381,8 @@ async def test_client_reports_unreachable_server():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU box)")
 def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path, tmp_path: Path):
     """On CUDA the states reach the host through pinned buffers on a side stream: each captured row
-    must equal the in-process forward, and uncaptured neighbours must leave no segment."""
+    must equal the in-process forward, and uncaptured neighbours must leave no segment. The uncaptured
+    prefill-only rows are answered by the prefill waiter once the GPU has run their forward."""
     from transformers import AutoModelForCausalLM
 
     spool, log = tmp_path / "spool", tmp_path / "server.log"
@@ -399,10 +400,13 @@ def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path
 
         async def send():
             async with ServerClient(url, timeout=60) as client:
-                await asyncio.gather(*(client.generate(input_ids=p, max_new_tokens=0, rid=r)
-                                       for p, r in zip(prompts, rids)))
+                return await asyncio.gather(*(client.generate(input_ids=p, max_new_tokens=0, rid=r)
+                                              for p, r in zip(prompts, rids)))
 
-        asyncio.run(send())
+        results = asyncio.run(send())
+        for prompt, result in zip(prompts, results):
+            assert result.output_ids == [] and result.meta["prompt_tokens"] == len(prompt)
+            assert result.meta["finish_reason"] == {"type": "length", "length": 0}
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda().eval()
         for prompt, rid in zip(prompts, rids):
             if rid is None:

@@ -5,8 +5,11 @@ Threads:
   ms after the first one for more, up to `max_batch`), runs one right-padded prefill for
   the group, then decodes the group together with a shared KV cache, dropping rows as
   they finish. Token events are handed back through each request's `emit` callback.
-- one *writer* thread turns prefill captures into spool segments (bounded queue, so a
+- *writer* threads turn prefill captures into spool segments (bounded queue, so a
   slow disk pushes back on the worker instead of filling memory).
+- one *prefill waiter* (CUDA only) answers prefill-only requests (`max_new_tokens` 0, no
+  capture) once the GPU has finished their forward: the worker never waits for the GPU, so it
+  launches the next batch meanwhile, and a reply still means the prefill is done (as in SGLang).
 
 Capture uses forward hooks on the chosen decoder layers (their output = pre-norm residual
 stream, HF `hidden_states[i+1]`) and on the final norm (post-norm state that feeds the LM
@@ -180,6 +183,7 @@ class ModelRunner:
         self._write_queue: queue.Queue[tuple | None] = queue.Queue(
             maxsize=max(capture_queue_size, 2 * self.capture_writers))
         self._copy_stream: Any = None  # CUDA stream for device-to-host copies of captured states
+        self._prefill_done: queue.Queue[tuple | None] = queue.Queue()  # (CUDA event, [(completion, finish)])
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._stats_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -303,7 +307,7 @@ class ModelRunner:
     def start(self) -> None:
         # Several writers: safetensors writes outside the GIL, so segments of one batch are
         # written in parallel while the model runs the next one.
-        targets = [(self._worker_loop, "model-worker")]
+        targets = [(self._worker_loop, "model-worker"), (self._prefill_waiter_loop, "prefill-waiter")]
         targets += [(self._writer_loop, f"capture-writer-{i}") for i in range(self.capture_writers)]
         for target, name in targets:
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -342,8 +346,7 @@ class ModelRunner:
         while True:
             first = self._inbox.get()
             if first is None:
-                for _ in range(self.capture_writers):
-                    self._write_queue.put(None)
+                self._stop_helpers()
                 return
             group = [first]
             stop_after = False
@@ -359,9 +362,28 @@ class ModelRunner:
                 group.append(item)
             self._run_group_safely(group)
             if stop_after:
-                for _ in range(self.capture_writers):
-                    self._write_queue.put(None)
+                self._stop_helpers()
                 return
+
+    def _stop_helpers(self) -> None:
+        self._prefill_done.put(None)  # queued after every pending item: those are answered first
+        for _ in range(self.capture_writers):
+            self._write_queue.put(None)
+
+    def _prefill_waiter_loop(self) -> None:
+        while True:
+            item = self._prefill_done.get()
+            if item is None:
+                return
+            done, finished = item
+            try:
+                done.synchronize()
+            except Exception as exc:  # a failed forward surfaces here on CUDA
+                for completion, _ in finished:
+                    completion.finish_generation(error=f"generation failed: {_one_line(exc)}")
+            else:
+                for completion, finish in finished:
+                    completion.finish_generation(finish=finish)
 
     def _run_group_safely(self, group: list[GenRequest]) -> None:
         completions = [_Completion(req) for req in group]
@@ -506,10 +528,23 @@ class ModelRunner:
         generators = [self._generator(req.params.seed) for req in group]
         generated = [0] * len(group)
         active = list(range(len(group)))  # group rows still decoding, in cache-row order
-        # max_new_tokens == 0: prefill only (capture), no token.
-        for row in list(active):
-            if group[row].params.max_new_tokens == 0:
-                completions[row].finish_generation(finish={"type": "length", "length": 0})
+        # max_new_tokens == 0: prefill only (capture), no token. Done when the GPU has run the forward:
+        # a captured row's reply already waits for its copy; the others go to the prefill waiter.
+        prefill_only = [row for row in active if group[row].params.max_new_tokens == 0]
+        finish = {"type": "length", "length": 0}
+        waiting = [(completions[row], finish) for row in prefill_only if not group[row].capture]
+        if waiting and str(device).startswith("cuda"):
+            done = torch.cuda.Event(blocking=True)  # the waiter sleeps instead of spinning a core
+            done.record()
+            for completion, _ in waiting:
+                completion.generation_done = True  # handed over: a later failure must not close it twice
+            self._prefill_done.put((done, waiting))
+        else:
+            for completion, _ in waiting:
+                completion.finish_generation(finish=finish)
+        for row in prefill_only:
+            if group[row].capture:
+                completions[row].finish_generation(finish=finish)
         active = [row for row in active if group[row].params.max_new_tokens > 0]
         logits_rows = list(range(len(group)))  # row of last_logits for each group row
         while active:

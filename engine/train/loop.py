@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -367,31 +368,37 @@ class Trainer:
         window, tokens, grad_norm, last_summary = None, 0, 0.0, None
         t0 = time.perf_counter()
         saved_at = self.step
-        while self.step < limit:
-            if self._should_stop():
-                self.save_checkpoint()
-                self.event("stopped", step=self.step)
-                return 0
-            batch = self.data.collate(self._batch_entries(self.step))
-            stats, grad_norm = self.train_step(batch)
-            window = stats if window is None else window + stats
-            tokens += batch.tokens
-            if self.step % self.cfg.log_every == 0 or self.step == limit:
-                window = self._all_reduce(window)
-                elapsed = time.perf_counter() - t0
-                summary = summarize(window)
-                last_summary = summary
-                rate = tokens * self.world / max(elapsed, 1e-9)
-                self.metric({"type": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
-                             "t": time.time(), "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm,
-                             "tokens_per_s": rate, **summary})
-                if self.ctx is not None and self.is_main:
-                    self.ctx.progress(self.step, self.total_steps, loss=round(summary["loss"], 4),
-                                      sim_al=round(summary["sim_al"], 3), tokens_per_s=round(rate, 1))
-                window, tokens, t0 = None, 0, time.perf_counter()
-            if self.step % self.cfg.save_every == 0:
-                self._eval_and_best(last_summary)
-                saved_at = self.step
+        # The next step's records are read, hashed and padded on a thread while this step trains (a
+        # step's batch is a pure function of the step number, so resume replays the same batches).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-prefetch") as prefetch:
+            upcoming = prefetch.submit(self.data.collate, self._batch_entries(self.step)) if self.step < limit else None
+            while self.step < limit:
+                if self._should_stop():
+                    self.save_checkpoint()
+                    self.event("stopped", step=self.step)
+                    return 0
+                batch = upcoming.result()
+                if self.step + 1 < limit:
+                    upcoming = prefetch.submit(self.data.collate, self._batch_entries(self.step + 1))
+                stats, grad_norm = self.train_step(batch)
+                window = stats if window is None else window + stats
+                tokens += batch.tokens
+                if self.step % self.cfg.log_every == 0 or self.step == limit:
+                    window = self._all_reduce(window)
+                    elapsed = time.perf_counter() - t0
+                    summary = summarize(window)
+                    last_summary = summary
+                    rate = tokens * self.world / max(elapsed, 1e-9)
+                    self.metric({"type": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
+                                 "t": time.time(), "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm,
+                                 "tokens_per_s": rate, **summary})
+                    if self.ctx is not None and self.is_main:
+                        self.ctx.progress(self.step, self.total_steps, loss=round(summary["loss"], 4),
+                                          sim_al=round(summary["sim_al"], 3), tokens_per_s=round(rate, 1))
+                    window, tokens, t0 = None, 0, time.perf_counter()
+                if self.step % self.cfg.save_every == 0:
+                    self._eval_and_best(last_summary)
+                    saved_at = self.step
         if saved_at != self.step:
             self._eval_and_best(last_summary)
         if self.step >= self.total_steps:
