@@ -6,6 +6,8 @@ sides see the same machine state. Prints tokens/s for each side and the ratio on
 
     python bench/capture_overhead.py                 # CPU: tiny random Llama
     python bench/capture_overhead.py --size 1b       # GPU: ~1B random Llama in bf16
+    python bench/capture_overhead.py --size e2e --length 512 --requests 128 --concurrency 16 --max-batch 8
+                                                     # GPU: gpu_end_to_end.py's measurement, standalone
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ SIZES = {
     # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
     "tiny": (128, 6, 4, 2, 384, 2048),
     "1b": (2048, 16, 16, 8, 5632, 32000),
+    "e2e": (640, 16, 10, 2, 1728, 8192),  # the 80M target bench/gpu_end_to_end.py trains (run it with --length 512)
 }
 
 

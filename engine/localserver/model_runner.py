@@ -481,45 +481,49 @@ class ModelRunner:
         assert self.capture is not None
         layer_states = [self._hook_store[f"layer{layer}"] for layer in self.capture.layers]
         final_states = self._hook_store["final"]
+        # One concatenation for the whole batch: a row's [:n] slice of [B, W, 3H] is contiguous, so
+        # each row is copied straight from it (per-row work is two buffers and two copies).
+        aux_states = torch.cat(layer_states, dim=-1)
         on_gpu = final_states.is_cuda
-        if on_gpu and self._copy_stream is None:
-            # The copies run on their own stream, overlapping the next batch's forward instead of
-            # queuing behind it on the compute stream.
-            self._copy_stream = torch.cuda.Stream(device=final_states.device)
-        on_device = [(row, torch.cat([states[row, :lengths[row]] for states in layer_states], dim=-1),
-                      final_states[row, :lengths[row]]) for row in rows]
+        copied = None
         if on_gpu:
-            cat_done = torch.cuda.Event()  # one for the batch: the copy stream starts after every cat
-            cat_done.record()
-            self._copy_stream.wait_event(cat_done)
+            if self._copy_stream is None:
+                # The copies run on their own stream, overlapping the next batch's forward instead of
+                # queuing behind it on the compute stream.
+                self._copy_stream = torch.cuda.Stream(device=final_states.device)
+            self._copy_stream.wait_stream(torch.cuda.current_stream())  # after the concatenation
+            # The allocator must not hand these blocks to the next forward before the copy stream
+            # has read them.
+            aux_states.record_stream(self._copy_stream)
+            final_states.record_stream(self._copy_stream)
         items = []
-        for row, aux_dev, final_dev in on_device:
+        for row in rows:
+            aux_dev, final_dev = aux_states[row, :lengths[row]], final_states[row, :lengths[row]]
             if on_gpu:
-                # Pinned buffers + non-blocking copies: the forward never waits for the host;
-                # the writer thread waits on the event instead.
+                # Pinned buffers + non-blocking copies: the forward never waits for the host; the
+                # writer threads wait on the batch's event instead.
                 aux = torch.empty(aux_dev.shape, dtype=aux_dev.dtype, pin_memory=True)
                 final = torch.empty(final_dev.shape, dtype=final_dev.dtype, pin_memory=True)
                 with torch.cuda.stream(self._copy_stream):
                     aux.copy_(aux_dev, non_blocking=True)
                     final.copy_(final_dev, non_blocking=True)
-                    # Blocking: the writer thread sleeps until the copy lands instead of spinning a
-                    # core (CUDA spin-waits by default), which the model thread needs.
-                    copied = torch.cuda.Event(blocking=True)
-                    copied.record(self._copy_stream)
-                # The allocator must not hand these blocks to the next forward before the copy
-                # stream has read them.
-                aux_dev.record_stream(self._copy_stream)
-                final_dev.record_stream(self._copy_stream)
             else:
-                aux, final, copied = aux_dev, final_dev, None
+                aux, final = aux_dev, final_dev
             # The ids come from the host batch: no device-to-host copy, no sync.
-            items.append((completions[row], host_ids[row, :lengths[row]], aux, final, copied))
+            items.append([completions[row], host_ids[row, :lengths[row]], aux, final, None])
+        if on_gpu:
+            # Blocking: a writer sleeps until the copies land instead of spinning a core (CUDA
+            # spin-waits by default), which the model thread needs.
+            copied = torch.cuda.Event(blocking=True)
+            copied.record(self._copy_stream)
+            for item in items:
+                item[4] = copied
         # Every copy is queued before the first put, which blocks while the disk lags: the
         # device copies of the batch are freed as they land, not held behind a full queue.
-        del on_device
+        del aux_states
         for item in items:
             item[0].capture_queued = True
-            self._write_queue.put(item)
+            self._write_queue.put(tuple(item))
 
     def _decode(self, group, completions, lengths, mask, cache, last_logits) -> None:
         import torch
