@@ -423,3 +423,25 @@ def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path
         assert sorted(p.name for p in spool.iterdir()) == sorted(r for r in rids if r is not None)
     finally:
         stop_process(proc)
+
+
+def test_gil_switch_interval_comes_from_the_environment(monkeypatch, capsys):
+    """The local server's opt-in GIL switch interval: set in seconds from milliseconds, and a bad
+    value is named on stderr and leaves Python's default in place."""
+    import sys as _sys
+
+    from engine.localserver.__main__ import GIL_SWITCH_ENV, apply_gil_switch_interval
+
+    before = _sys.getswitchinterval()
+    try:
+        monkeypatch.delenv(GIL_SWITCH_ENV, raising=False)
+        assert apply_gil_switch_interval() is None and _sys.getswitchinterval() == before
+        monkeypatch.setenv(GIL_SWITCH_ENV, "0.5")
+        assert apply_gil_switch_interval() == 0.0005 and abs(_sys.getswitchinterval() - 0.0005) < 1e-9
+        _sys.setswitchinterval(before)
+        for bad in ("fast", "0", "100"):
+            monkeypatch.setenv(GIL_SWITCH_ENV, bad)
+            assert apply_gil_switch_interval() is None and _sys.getswitchinterval() == before
+            assert f"ignored {GIL_SWITCH_ENV}={bad!r}" in capsys.readouterr().err
+    finally:
+        _sys.setswitchinterval(before)

@@ -143,8 +143,32 @@ def _load(args: argparse.Namespace):
     return runner, sock
 
 
+GIL_SWITCH_ENV = "EAGLE3_GIL_SWITCH_MS"
+
+
+def apply_gil_switch_interval() -> float | None:
+    """EAGLE3_GIL_SWITCH_MS (0.05..50): how long a thread waiting for the GIL waits before asking
+    the holder to drop it (Python's default: 5 ms). The model thread launching kernels gives the
+    GIL up at every op and waits that long whenever the HTTP loop or a capture writer holds it.
+    Returns the interval set, in seconds, or None (unset or invalid: Python's default stays)."""
+    raw = os.environ.get(GIL_SWITCH_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not 0.05 <= ms <= 50:
+        print(f"warning: ignored {GIL_SWITCH_ENV}={raw!r}: give milliseconds between 0.05 and 50",
+              file=sys.stderr, flush=True)
+        return None
+    sys.setswitchinterval(ms / 1000)
+    return ms / 1000
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    apply_gil_switch_interval()
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
         runner, sock = _load(args)

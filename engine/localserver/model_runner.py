@@ -131,12 +131,20 @@ class _Completion:
         self.request.emit(DoneEvent(finish_reason=self._finish, error=self._error))
 
 
+DEFAULT_CAPTURE_WRITERS = 4
+
+
 def capture_writer_count() -> int:
-    """Writer threads: EAGLE3_CAPTURE_WRITERS if set (1..64), else half the cores, 4..16."""
+    """Writer threads: EAGLE3_CAPTURE_WRITERS if set (1..64), else 4.
+
+    Four write 9.4 GB/s into /dev/shm (H200 host; 3x what a 1B model captures at full prefill speed),
+    and every writer also takes the GIL for a little Python per segment, which the model thread
+    launching kernels pays for: with 8 writers a small target's capture ran at 0.745 of its plain
+    prefill, with 2 at 0.876 (bench/RESULTS.md)."""
     raw = os.environ.get("EAGLE3_CAPTURE_WRITERS", "").strip()
     if raw.isdigit() and 1 <= int(raw) <= 64:
         return int(raw)
-    return max(4, min(16, (os.cpu_count() or 8) // 2))
+    return DEFAULT_CAPTURE_WRITERS
 
 
 def check_model_dir(model_path: Path) -> None:
@@ -177,8 +185,6 @@ class ModelRunner:
         self.batch_wait_s = batch_wait_s
         self.stats = RunnerStats()
         self._inbox: queue.Queue[GenRequest | None] = queue.Queue()
-        # Writers sized to the machine: at ~200k prefill tok/s a 1B model makes ~3 GB/s of states,
-        # more than four threads copy into a tmpfs spool.
         self.capture_writers = capture_writer_count()
         self._write_queue: queue.Queue[tuple | None] = queue.Queue(
             maxsize=max(capture_queue_size, 2 * self.capture_writers))
