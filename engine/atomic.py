@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, IO, Iterable
 
@@ -65,6 +66,28 @@ def write_via_path(path: str | os.PathLike, writer: Callable[[str], None], mode:
             pass
         raise
     _fsync_dir(path.parent)
+
+
+def publish_via_path(path: str | os.PathLike, writer: Callable[[str], None]) -> None:
+    """Atomic *visibility* without durability, for scratch files nobody reads after a crash (the
+    capture spool: an extraction session frees earlier sessions' requests and captures them again).
+
+    A reader sees the whole file or none of it (temp name in the same directory, then rename), but
+    nothing is fsynced and the temp name is fixed per thread instead of drawn by mkstemp: each of
+    those system calls gives the GIL away and takes it back, and on a GPU server the thread that
+    launches the model's kernels pays for every such hand-off (bench/RESULTS.md, session 6).
+    The caller creates the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_native_id()}.tmp")
+    try:
+        writer(str(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def write_with(path: str | os.PathLike, writer: Callable[[IO[bytes]], None], mode: int = 0o644) -> None:

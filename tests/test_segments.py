@@ -235,3 +235,55 @@ def test_all_finite_finds_any_nan_or_inf_anywhere():
             y = x.clone()
             y[where] = bad
             assert not all_finite(y), (bad, where)
+
+
+# ---- publishing without fsync ---------------------------------------------------------
+
+def test_segment_is_published_whole_and_never_fsynced(tmp_path, monkeypatch):
+    """The spool is scratch (an extraction session re-captures whatever a crash interrupted), so a
+    segment is renamed into place complete but not fsynced: every fsync hands the GIL away, which
+    the server's model thread pays for. A failing fsync proves none is called."""
+    def no_fsync(fd):
+        raise AssertionError("a spool segment must not be fsynced")
+
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    ids, aux, final = make_states(5)
+    path = write_segment(tmp_path, "fast", 0, ids, aux, final, LAYERS)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp file left behind
+    cap = assemble(tmp_path, "fast", expected_len=5)
+    assert torch.equal(cap.aux_hidden_state, aux) and torch.equal(cap.hidden_state, final)
+
+
+def test_failed_segment_write_leaves_neither_segment_nor_temp(tmp_path, monkeypatch):
+    import engine.capture.segments as segments
+
+    def half_write(tensors, filename, metadata=None):
+        with open(filename, "wb") as handle:
+            handle.write(b"\x00" * 100)  # what a writer killed mid-file leaves
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(segments, "save_file", half_write)
+    with pytest.raises(OSError, match="No space left"):
+        write_segment(tmp_path, "full", 0, *make_states(4), LAYERS)
+    assert list_segments(tmp_path, "full") == []
+    assert list((tmp_path / "full").iterdir()) == []
+    assert release(tmp_path, "full") == 0 and not (tmp_path / "full").exists()
+
+
+def test_in_flight_temp_is_invisible_to_readers_and_freed_by_release(tmp_path):
+    from engine.atomic import publish_via_path
+
+    ids, aux, final = make_states(3)
+    write_segment(tmp_path, "busy", 0, ids, aux, final, LAYERS)
+    seen = {}
+
+    def writer(tmp):  # a second segment caught mid-write: readers must not see it
+        open(tmp, "wb").write(b"partial")
+        seen["segments"] = [info.start for info in list_segments(tmp_path, "busy")]
+        seen["release"] = release(tmp_path, "busy")  # frees the temp file too
+        raise RuntimeError("stop before the rename")
+
+    with pytest.raises(RuntimeError):
+        publish_via_path(segment_path(tmp_path, "busy", 3), writer)
+    assert seen == {"segments": [0], "release": 1}
+    assert not (tmp_path / "busy").exists()

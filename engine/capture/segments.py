@@ -14,7 +14,8 @@ format, version, rid, start, n_tokens, layers (our 0-indexed numbering), hidden_
 
 Chunked prefill writes several segments per rid; `assemble` stitches them by position and
 refuses gaps and overlaps. The spool is scratch: `release` empties a rid once its record
-has been committed elsewhere. A retried request should `release` first, so stale
+has been committed elsewhere (durably, by the extraction job), and segments are published
+atomically but not fsynced. A retried request should `release` first, so stale
 segments from the failed attempt cannot overlap the new ones.
 """
 
@@ -30,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.atomic import write_via_path
+from engine.atomic import publish_via_path
 from engine.names import check_name
 
 FORMAT_NAME = "eagle3-console/capture-segment"
@@ -74,7 +75,9 @@ def write_segment(
     final: torch.Tensor,
     layers: Sequence[int],
 ) -> Path:
-    """Validate and atomically write one segment; returns its path (durable on return)."""
+    """Validate and atomically publish one segment; returns its path (complete on return).
+
+    Not fsynced: the spool is scratch, never read across a crash (see `publish_via_path`)."""
     check_name(rid, "request id")
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise SegmentError(f"segment start must be an integer >= 0, got {start!r}")
@@ -112,7 +115,8 @@ def write_segment(
         "dtype": str(final.dtype).removeprefix("torch."),
     }
     path = segment_path(spool_dir, rid, start)
-    write_via_path(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    os.makedirs(path.parent, exist_ok=True)
+    publish_via_path(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return path
 
 

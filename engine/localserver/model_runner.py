@@ -15,11 +15,12 @@ Capture uses forward hooks on the chosen decoder layers (their output = pre-norm
 stream, HF `hidden_states[i+1]`) and on the final norm (post-norm state that feeds the LM
 head), so the states come from the very forward pass that produced the first token.
 A request's `DoneEvent` is emitted only when generation has finished *and* its capture
-is durable on disk, so a client may assemble the capture as soon as the reply arrives.
+is complete in the spool, so a client may assemble the capture as soon as the reply arrives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -416,8 +417,10 @@ class ModelRunner:
             completion, ids, aux, final, copied = item
             assert self.capture is not None
             try:
-                if copied is not None:
-                    copied.synchronize()  # the asynchronous device-to-host copies have landed
+                # The asynchronous device-to-host copies have landed. Only the batch's first writer
+                # usually waits: `query` keeps the GIL, a `synchronize` hands it away and back.
+                if copied is not None and not copied.query():
+                    copied.synchronize()
                 write_segment(self.capture.spool_dir, completion.request.rid, 0, ids, aux, final,
                               self.capture.layers)
             except Exception as exc:
@@ -503,20 +506,20 @@ class ModelRunner:
             aux_states.record_stream(self._copy_stream)
             final_states.record_stream(self._copy_stream)
         items = []
-        for row in rows:
-            aux_dev, final_dev = aux_states[row, :lengths[row]], final_states[row, :lengths[row]]
-            if on_gpu:
-                # Pinned buffers + non-blocking copies: the forward never waits for the host; the
-                # writer threads wait on the batch's event instead.
-                aux = torch.empty(aux_dev.shape, dtype=aux_dev.dtype, pin_memory=True)
-                final = torch.empty(final_dev.shape, dtype=final_dev.dtype, pin_memory=True)
-                with torch.cuda.stream(self._copy_stream):
+        with torch.cuda.stream(self._copy_stream) if on_gpu else contextlib.nullcontext():
+            for row in rows:
+                aux_dev, final_dev = aux_states[row, :lengths[row]], final_states[row, :lengths[row]]
+                if on_gpu:
+                    # Pinned buffers + non-blocking copies: the forward never waits for the host; the
+                    # writer threads wait on the batch's event instead.
+                    aux = torch.empty(aux_dev.shape, dtype=aux_dev.dtype, pin_memory=True)
+                    final = torch.empty(final_dev.shape, dtype=final_dev.dtype, pin_memory=True)
                     aux.copy_(aux_dev, non_blocking=True)
                     final.copy_(final_dev, non_blocking=True)
-            else:
-                aux, final = aux_dev, final_dev
-            # The ids come from the host batch: no device-to-host copy, no sync.
-            items.append([completions[row], host_ids[row, :lengths[row]], aux, final, None])
+                else:
+                    aux, final = aux_dev, final_dev
+                # The ids come from the host batch: no device-to-host copy, no sync.
+                items.append([completions[row], host_ids[row, :lengths[row]], aux, final, None])
         if on_gpu:
             # Blocking: a writer sleeps until the copies land instead of spinning a core (CUDA
             # spin-waits by default), which the model thread needs.
