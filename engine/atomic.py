@@ -43,6 +43,14 @@ def remove_dead_temp_files(root: str | os.PathLike, directories: Iterable[str]) 
     return removed
 
 
+def _discard(tmp: str | os.PathLike) -> None:
+    """Remove a temp file whose write failed (it may already be gone)."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
 def write_via_path(path: str | os.PathLike, writer: Callable[[str], None], mode: int = 0o644) -> None:
     """Atomic write for libraries that want a file *name* (safetensors' save_file writes
     straight from tensor memory, ~10x faster than building bytes in Python first)."""
@@ -60,10 +68,7 @@ def write_via_path(path: str | os.PathLike, writer: Callable[[str], None], mode:
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _discard(tmp)
         raise
     _fsync_dir(path.parent)
 
@@ -83,10 +88,7 @@ def publish_via_path(path: str | os.PathLike, writer: Callable[[str], None]) -> 
         writer(str(tmp))
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _discard(tmp)
         raise
 
 

@@ -8,8 +8,6 @@ language, so the drafter has something learnable, and written with engine.record
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
