@@ -379,10 +379,15 @@ async def test_client_reports_unreachable_server():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU box)")
-def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path, tmp_path: Path):
+@pytest.mark.parametrize("graph_tokens", ["8192", "0"], ids=["cuda-graphs", "eager"])
+def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path, tmp_path: Path, graph_tokens: str):
     """On CUDA the states reach the host through pinned buffers on a side stream: each captured row
     must equal the in-process forward, and uncaptured neighbours must leave no segment. The uncaptured
-    prefill-only rows are answered by the prefill waiter once the GPU has run their forward."""
+    prefill-only rows are answered by the prefill waiter once the GPU has run their forward. Both with
+    the prefill-only batch replayed from a CUDA graph (the default) and eagerly
+    (EAGLE3_PREFILL_GRAPH_TOKENS=0); /server_info says which ran."""
+    import os
+
     from transformers import AutoModelForCausalLM
 
     spool, log = tmp_path / "spool", tmp_path / "server.log"
@@ -391,7 +396,8 @@ def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path
             "--port", str(port), "--device", "cuda", "--dtype", "bfloat16", "--capture-layers", "0,1,2",
             "--spool-dir", str(spool)]
     with open(log, "wb") as handle:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
+                                env={**os.environ, "EAGLE3_PREFILL_GRAPH_TOKENS": graph_tokens})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)
@@ -421,6 +427,11 @@ def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path
             torch.testing.assert_close(capture.aux_hidden_state.float(), aux_ref.float(), atol=5e-2, rtol=5e-2)
             torch.testing.assert_close(capture.hidden_state.float(), final.cpu().float(), atol=5e-2, rtol=5e-2)
         assert sorted(p.name for p in spool.iterdir()) == sorted(r for r in rids if r is not None)
+        graphs = httpx.get(url + "/server_info", timeout=10).json()["prefill_cuda_graphs"]
+        if graph_tokens == "0":
+            assert graphs["enabled"] is False and graphs["buckets"] == []
+        else:
+            assert graphs["enabled"] is True and graphs["failure"] is None and graphs["buckets"], graphs
     finally:
         stop_process(proc)
 

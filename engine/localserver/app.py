@@ -319,6 +319,8 @@ class LocalServerApp:
                 "layers_sglang": to_sglang_numbering(capture.layers) if capture else None,
                 "spool_dir": str(capture.spool_dir) if capture else None,
             },
+            "prefill_cuda_graphs": (self.runner.prefill_graphs.describe() if self.runner.prefill_graphs is not None
+                                    else {"enabled": False}),
             "internal_states": [{
                 "last_gen_throughput": self.runner.gen_throughput(),
                 "largest_prefill_batch": self.runner.stats.largest_prefill_batch,

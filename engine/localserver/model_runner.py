@@ -196,6 +196,7 @@ class ModelRunner:
         self._threads: list[threading.Thread] = []
         self._hook_store: dict[str, Any] = {}
         self._hooks_active = False
+        self.prefill_graphs: Any = None  # PrefillGraphs on CUDA (prefill-only batches)
         self.model: Any = None
         self.tokenizer: Any = None
 
@@ -249,6 +250,12 @@ class ModelRunner:
         self._has_logits_to_keep = "logits_to_keep" in params
         if self.capture is not None:
             self.enable_capture(self.capture)
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        if decoder is not None and str(self.device).startswith("cuda"):
+            from engine.localserver.prefill_graphs import PrefillGraphs
+
+            self.prefill_graphs = PrefillGraphs(decoder, self.device, self.max_batch, self.pad_token_id,
+                                                self._set_hooks)
 
     def _resolve_device(self, torch: Any) -> str:
         wanted = self.requested_device
@@ -302,6 +309,12 @@ class ModelRunner:
         for layer_id in capture.layers:
             layers[layer_id].register_forward_hook(self._make_hook(f"layer{layer_id}"))
         norm.register_forward_hook(self._make_hook("final"))
+
+    def _set_hooks(self, active: bool) -> dict[str, Any]:
+        """Turn the capture hooks on or off; returns the (emptied) store they fill."""
+        self._hooks_active = active
+        self._hook_store = {}
+        return self._hook_store
 
     def _make_hook(self, key: str) -> Callable:
         def hook(_module: Any, _inputs: Any, output: Any) -> None:
@@ -455,11 +468,6 @@ class ModelRunner:
             input_ids[row, : lengths[row]] = torch.tensor(req.input_ids, dtype=torch.long)
             mask[row, : lengths[row]] = 1
         host_ids = input_ids  # the captured ids come from here: no device-to-host copy, no sync
-        input_ids, mask = input_ids.to(device), mask.to(device)
-        positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, -1)
-        # Logits only where a next token is needed: the last real position of each row.
-        keep_positions = sorted(set(n - 1 for n in lengths))
-        keep = torch.tensor(keep_positions, device=device) if self._has_logits_to_keep else None
         capture_rows = [row for row, req in enumerate(group) if req.capture]
 
         with self._stats_lock:
@@ -470,6 +478,13 @@ class ModelRunner:
                     self.stats.num_requests_total += 1
 
         with torch.inference_mode():
+            if self._run_graphed_prefill(group, completions, lengths, host_ids, capture_rows):
+                return
+            input_ids, mask = input_ids.to(device), mask.to(device)
+            positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, -1)
+            # Logits only where a next token is needed: the last real position of each row.
+            keep_positions = sorted(set(n - 1 for n in lengths))
+            keep = torch.tensor(keep_positions, device=device) if self._has_logits_to_keep else None
             self._hooks_active = bool(capture_rows) and self.capture is not None
             logits, cache = self._forward(input_ids, mask, positions, None, keep)
             self._hooks_active = False
@@ -483,6 +498,23 @@ class ModelRunner:
                 last = torch.stack([logits[row, lengths[row] - 1] for row in range(batch)])
             del logits
             self._decode(group, completions, lengths, mask, cache, last)
+
+    def _run_graphed_prefill(self, group, completions, lengths, host_ids, capture_rows) -> bool:
+        """A prefill-only batch through its CUDA graph (prefill_graphs.py); False: run it eagerly."""
+        if self.prefill_graphs is None or any(req.params.max_new_tokens != 0 for req in group):
+            return False
+        states = self.prefill_graphs.run(host_ids, lengths)
+        if states is None:
+            return False
+        if capture_rows and self.capture is not None:
+            # The graph's outputs are overwritten by its next replay while the row copies still run on
+            # the copy stream: the final state gets a buffer of its own (the layers get one from the cat).
+            states["final"] = states["final"].clone()
+            self._hook_store = states
+            self._queue_captures(completions, capture_rows, lengths, host_ids)
+            self._hook_store = {}
+        self._decode(group, completions, lengths, None, None, None)  # prefill only: no logits needed
+        return True
 
     def _queue_captures(self, completions, rows, lengths, host_ids) -> None:
         import torch
