@@ -409,6 +409,12 @@ def main() -> int:  # noqa: C901 - one linear benchmark
                                           "median_round_ratio": statistics.median(pairs)}
     log(f"capture overhead ratio {results['capture_overhead']} (on {ov['on']}, off {ov['off']}; "
         f"round i on / round i off: median {statistics.median(pairs)}, {min(pairs)}..{max(pairs)})")
+    import httpx
+
+    # Whether the prefill-only batches replayed CUDA graphs (and which buckets), as the server says.
+    results["prefill_cuda_graphs"] = httpx.get(manager.record()["url"] + "/server_info", timeout=30).json().get(
+        "prefill_cuda_graphs")
+    log(f"server prefill CUDA graphs: {results['prefill_cuda_graphs']}")
     save_results(out, results)
 
     jobs = JobManager(ws.jobs_dir)
