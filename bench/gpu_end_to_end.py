@@ -399,6 +399,8 @@ def main() -> int:  # noqa: C901 - one linear benchmark
         # 10 rounds a side: on this small target a round's rate swings by +-20% from one round to the
         # next (host-bound Python on both ends), so 6 left the ratio +-0.1 from run to run.
         concurrency, length, requests, rounds = 16, 512, 384, 10
+    if args.quick:  # a CPU smoke run: the code path, not a figure
+        A.requests, A.rounds = 32, 2
     ov = asyncio.run(overhead_bench(manager.record()["url"], ws.spool_dir, A, len(tok)))
     import statistics
 
