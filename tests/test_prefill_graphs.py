@@ -117,3 +117,19 @@ def test_cuda_graph_replay_equals_eager_for_new_inputs(tiny_model_dir: Path, tmp
                     torch.testing.assert_close(states[key][row, :n], value[0], atol=1e-4, rtol=1e-4)
                 runner._set_hooks(False)
     assert graphs.describe()["buckets"] == ["4x128"] and graphs.failure is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where a CUDA capture cannot work")
+def test_a_failed_capture_turns_graphs_off_and_the_batch_runs_eagerly(capsys):
+    """The fallback, for real: on a CPU-only torch the capture of the first bucket fails; `run` must say
+    so once on stderr, return None (the caller then runs the batch eagerly) and stay off afterwards."""
+    calls = []
+    graphs = PrefillGraphs(torch.nn.Identity(), "cuda:0", 8, 0, lambda active: calls.append(active) or {},
+                           max_tokens=8192)
+    ids = torch.ones((2, 10), dtype=torch.long)
+    assert graphs.bucket(2, 10) == (2, 128)
+    assert graphs.run(ids, [10, 4]) is None
+    assert graphs.enabled is False and graphs.failure and calls[-1] is False
+    assert "prefill CUDA graphs off, running eagerly: capture of bucket (2, 128) failed" in capsys.readouterr().err
+    assert graphs.run(ids, [10, 4]) is None and graphs.describe()["buckets"] == []
+    assert capsys.readouterr().err == ""  # said once
