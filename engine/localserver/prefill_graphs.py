@@ -121,8 +121,10 @@ class PrefillGraphs:
             try:
                 entry = self._capture(shape)
             except Exception as exc:  # an op this model or transformers version cannot capture
+                from engine.localserver.model_runner import _one_line
+
                 self.enabled = False
-                self.failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                self.failure = _one_line(exc)
                 print(f"prefill CUDA graphs off, running eagerly: capture of bucket {shape} failed ({self.failure})",
                       file=sys.stderr)
                 self.set_hooks(False)
