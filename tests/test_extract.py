@@ -243,7 +243,8 @@ def test_pauses_when_disk_fills_and_resumes_when_freed(tiny_chat_model_dir, tmp_
 
 
 def test_server_killed_mid_run_is_restarted_and_the_job_completes(tiny_chat_model_dir, tmp_path):
-    ws = _ws(tmp_path, tiny_chat_model_dir, n=30, **{"extract.concurrency": 1})
+    # Enough samples that the job is still running when the kill lands (a fast server did 30 before it).
+    ws = _ws(tmp_path, tiny_chat_model_dir, n=120, **{"extract.concurrency": 1})
     manager = ServerManager(ws)
     first = asyncio.run(manager.start())
     jobs = JobManager(ws.jobs_dir)
@@ -262,7 +263,7 @@ def test_server_killed_mid_run_is_restarted_and_the_job_completes(tiny_chat_mode
         assert "server_down" in kinds and "server_restart" in kinds and "server_up" in kinds
         status = asyncio.run(manager.poll())
         assert status.state == "ready" and status.pid != first.pid and status.restarts == 1
-        _assert_exactly_once(ws, 30)
+        _assert_exactly_once(ws, 120)
     finally:
         asyncio.run(manager.stop(grace=5))
     assert not psutil.pid_exists(first.pid) or psutil.Process(first.pid).status() == psutil.STATUS_ZOMBIE
