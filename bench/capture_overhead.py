@@ -96,6 +96,11 @@ async def run_round(client, spool: Path, capture: bool, n: int, length: int, voc
     return rate
 
 
+def round_ratios(result: dict) -> list[float]:
+    """Round i on / round i off (the sides alternate, so a pair shares the machine's state)."""
+    return [round(a / b, 3) for a, b in zip(result["on"], result["off"])]
+
+
 async def bench(url: str, spool: Path, args, vocab: int) -> dict:
     from engine.client import ServerClient
 
@@ -228,7 +233,7 @@ def main() -> int:  # noqa: C901 - a linear script
                    "rounds": args.rounds, "capture_on_tok_s": round(on, 1), "capture_off_tok_s": round(off, 1),
                    "ratio_on_off": round(on / off, 3), "all_on": [round(x) for x in result["on"]],
                    "all_off": [round(x) for x in result["off"]], "spool_write_ceiling": ceiling,
-                   "per_round_ratios": [round(a / b, 3) for a, b in zip(result["on"], result["off"])]}
+                   "per_round_ratios": round_ratios(result)}
         print(json.dumps(summary, indent=2))
         pairs = sorted(a / b for a, b in zip(result["on"], result["off"]))
         print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}]")

@@ -392,6 +392,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     # Capture overhead: the same server, prefill-only requests with capture (rid) vs without.
     sys.path.insert(0, str(ROOT / "bench"))
     from capture_overhead import bench as overhead_bench
+    from capture_overhead import round_ratios
 
     class A:  # the capture benchmark's knobs
         # Two batches in flight, as extraction runs; ~1 s rounds, so filling and draining the pipeline
@@ -405,7 +406,7 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     import statistics
 
     results["capture_overhead"] = round(statistics.median(ov["on"]) / statistics.median(ov["off"]), 3)
-    pairs = [round(a / b, 3) for a, b in zip(ov["on"], ov["off"])]
+    pairs = round_ratios(ov)
     results["capture_overhead_rounds"] = {"on_tok_s": [round(x) for x in ov["on"]],
                                           "off_tok_s": [round(x) for x in ov["off"]], "round_ratios": pairs,
                                           "median_round_ratio": statistics.median(pairs)}

@@ -463,10 +463,8 @@ class ModelRunner:
         width = max(lengths)
         batch = len(group)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
         for row, req in enumerate(group):
             input_ids[row, : lengths[row]] = torch.tensor(req.input_ids, dtype=torch.long)
-            mask[row, : lengths[row]] = 1
         host_ids = input_ids  # the captured ids come from here: no device-to-host copy, no sync
         capture_rows = [row for row, req in enumerate(group) if req.capture]
 
@@ -480,6 +478,8 @@ class ModelRunner:
         with torch.inference_mode():
             if self._run_graphed_prefill(group, completions, lengths, host_ids, capture_rows):
                 return
+            # The graphs build their own mask; the eager forward takes transformers' 2-D one.
+            mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
             input_ids, mask = input_ids.to(device), mask.to(device)
             positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, -1)
             # Logits only where a next token is needed: the last real position of each row.
@@ -489,7 +489,7 @@ class ModelRunner:
             logits, cache = self._forward(input_ids, mask, positions, None, keep)
             self._hooks_active = False
             if capture_rows:
-                self._queue_captures(completions, capture_rows, lengths, host_ids)
+                self._queue_captures(completions, capture_rows, lengths, host_ids, self._hook_store)
             self._hook_store.clear()
             if keep is not None:
                 index_of = {pos: i for i, pos in enumerate(keep_positions)}
@@ -510,18 +510,17 @@ class ModelRunner:
             # The graph's outputs are overwritten by its next replay while the row copies still run on
             # the copy stream: the final state gets a buffer of its own (the layers get one from the cat).
             states["final"] = states["final"].clone()
-            self._hook_store = states
-            self._queue_captures(completions, capture_rows, lengths, host_ids)
-            self._hook_store = {}
+            self._queue_captures(completions, capture_rows, lengths, host_ids, states)
         self._decode(group, completions, lengths, None, None, None)  # prefill only: no logits needed
         return True
 
-    def _queue_captures(self, completions, rows, lengths, host_ids) -> None:
+    def _queue_captures(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
+        """Queue the captured rows' segments; `states` maps hook keys to [B, W, ...] tensors."""
         import torch
 
         assert self.capture is not None
-        layer_states = [self._hook_store[f"layer{layer}"] for layer in self.capture.layers]
-        final_states = self._hook_store["final"]
+        layer_states = [states[f"layer{layer}"] for layer in self.capture.layers]
+        final_states = states["final"]
         # One concatenation for the whole batch: a row's [:n] slice of [B, W, 3H] is contiguous, so
         # each row is copied straight from it (per-row work is two buffers and two copies).
         aux_states = torch.cat(layer_states, dim=-1)
