@@ -68,32 +68,128 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def run_round(client, spool: Path, capture: bool, n: int, length: int, vocab: int, concurrency: int,
-                    seed: int) -> float:
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     import random
 
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+async def _send(client, spool: Path, capture: bool, items: list[tuple[int, list[int]]], concurrency: int,
+                seed: int) -> dict:
+    """Send one client's share of a round; its tokens, wall window and the CPU its process spent."""
     from engine.capture.segments import release
 
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int, ids: list[int]) -> int:
         async with sem:
             rid = f"bench-{seed}-{i}" if capture else None
             result = await client.generate(input_ids=ids, max_new_tokens=0, rid=rid)
-            if capture:
+            if capture:  # the consumer's part of capturing: the segment is freed once read
                 await asyncio.to_thread(release, spool, rid)
             return int(result.meta.get("prompt_tokens", len(ids)))
 
+    cpu, started = time.process_time(), time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i, ids) for i, ids in items)))
+    return {"tokens": tokens, "started": started, "finished": time.perf_counter(),
+            "cpu_s": time.process_time() - cpu, "requests": len(items)}
+
+
+# One event loop and one HTTP client per client process, kept across rounds (a new httpx client
+# costs ~30 ms of CPU for its SSL context, which would land inside the timed window).
+_WORKER: dict = {}
+
+
+def _worker_init(url: str, spool: str) -> None:
+    from engine.client import ServerClient
+
+    _WORKER.update(loop=asyncio.new_event_loop(), client=ServerClient(url, timeout=600), spool=Path(spool))
+
+
+def _worker_round(capture: bool, items: list, concurrency: int, seed: int) -> dict:
+    return _WORKER["loop"].run_until_complete(
+        _send(_WORKER["client"], _WORKER["spool"], capture, items, concurrency, seed))
+
+
+def _tree_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) of a process and its descendants; 0 if it cannot be read."""
+    if pid is None:
+        return 0.0
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+class _Clients:
+    """`count` client processes (or this process when count is 1) that share a round's requests."""
+
+    def __init__(self, url: str, spool: Path, count: int) -> None:
+        self.url, self.spool, self.count = url, spool, max(1, count)
+        self._pool = None
+        self._client = None
+
+    async def __aenter__(self) -> _Clients:
+        if self.count == 1:
+            from engine.client import ServerClient
+
+            self._client = await ServerClient(self.url, timeout=600).__aenter__()
+        else:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            # spawn, not fork: the parent holds torch and threads
+            self._pool = ProcessPoolExecutor(self.count, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_worker_init, initargs=(self.url, str(self.spool)))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    async def round(self, capture: bool, prompts: list[list[int]], concurrency: int, seed: int) -> list[dict]:
+        items = list(enumerate(prompts))
+        if self._client is not None:
+            return [await _send(self._client, self.spool, capture, items, concurrency, seed)]
+        loop = asyncio.get_running_loop()
+        per_client = max(1, concurrency // self.count)
+        shares = [items[k::self.count] for k in range(self.count)]
+        return list(await asyncio.gather(*(
+            loop.run_in_executor(self._pool, _worker_round, capture, share, per_client, seed)
+            for share in shares if share)))
+
+
+async def run_round(clients: _Clients, capture: bool, n: int, length: int, vocab: int, concurrency: int,
+                    seed: int, server_pid: int | None = None) -> dict:
+    """One round on one side: prefill tok/s over the round's wall window, and CPU per request."""
+    prompts = _prompts(n, length, vocab, seed)
     if PHASE_FILE:
         Path(PHASE_FILE).write_text("on" if capture else "off")
-    started = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-    rate = tokens / (time.perf_counter() - started)
+    server_cpu = _tree_cpu_s(server_pid)
+    parts = await clients.round(capture, prompts, concurrency, seed)
+    server_cpu = _tree_cpu_s(server_pid) - server_cpu
     if PHASE_FILE:
         Path(PHASE_FILE).write_text("idle")
-    return rate
+    wall = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
+    requests = sum(p["requests"] for p in parts)
+    return {"tok_s": sum(p["tokens"] for p in parts) / wall, "wall_s": wall,
+            "client_cpu_ms_per_req": 1000 * sum(p["cpu_s"] for p in parts) / requests,
+            "busiest_client_cpu_per_wall": max(p["cpu_s"] / (p["finished"] - p["started"]) for p in parts),
+            "server_cpu_ms_per_req": 1000 * server_cpu / requests if server_pid else None}
 
 
 def round_ratios(result: dict) -> list[float]:
@@ -101,19 +197,33 @@ def round_ratios(result: dict) -> list[float]:
     return [round(a / b, 3) for a, b in zip(result["on"], result["off"])]
 
 
-async def bench(url: str, spool: Path, args, vocab: int) -> dict:
-    from engine.client import ServerClient
+def cpu_summary(result: dict) -> dict:
+    """Median CPU per request on each side: which process pays for capture, and whether a client
+    process ran flat out (CPU s per wall s near 1 means the client, not the server, set the pace)."""
+    out = {}
+    for side in ("on", "off"):
+        rounds = result["rounds"][side]
+        out[side] = {key: round(statistics.median(r[key] for r in rounds), 3)
+                     for key in ("client_cpu_ms_per_req", "busiest_client_cpu_per_wall", "server_cpu_ms_per_req")
+                     if rounds and rounds[0][key] is not None}
+    return out
 
-    async with ServerClient(url, timeout=600) as client:
-        await run_round(client, spool, True, args.concurrency, args.length, vocab, args.concurrency, 999)  # warm-up
-        await run_round(client, spool, False, args.concurrency, args.length, vocab, args.concurrency, 998)
-        on, off = [], []
+
+async def bench(url: str, spool: Path, args, vocab: int, server_pid: int | None = None) -> dict:
+    """Alternating rounds, capture on and off; `args.clients` client processes share each round."""
+    clients_n = getattr(args, "clients", 1)
+    async with _Clients(url, spool, clients_n) as clients:
+        await run_round(clients, True, args.concurrency, args.length, vocab, args.concurrency, 999)  # warm-up
+        await run_round(clients, False, args.concurrency, args.length, vocab, args.concurrency, 998)
+        rounds: dict[str, list[dict]] = {"on": [], "off": []}
         for r in range(args.rounds):
             order = (True, False) if r % 2 == 0 else (False, True)
             for capture in order:
-                rate = await run_round(client, spool, capture, args.requests, args.length, vocab, args.concurrency, r)
-                (on if capture else off).append(rate)
-    return {"on": on, "off": off}
+                measured = await run_round(clients, capture, args.requests, args.length, vocab, args.concurrency, r,
+                                           server_pid)
+                rounds["on" if capture else "off"].append(measured)
+    return {"on": [r["tok_s"] for r in rounds["on"]], "off": [r["tok_s"] for r in rounds["off"]],
+            "rounds": rounds, "clients": clients_n}
 
 
 def spool_write_ceiling(spool: Path, hidden: int, tokens: int, dtype: str, seconds: float = 3.0) -> dict:
@@ -166,6 +276,8 @@ def main() -> int:  # noqa: C901 - a linear script
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=None, help="server batch size (default: --concurrency)")
     parser.add_argument("--rounds", type=int, default=8, help="rounds per side (alternating); the spread is printed")
+    parser.add_argument("--clients", type=int, default=1,
+                        help="client processes sharing each round (one Python client tops out near ~300 req/s)")
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     parser.add_argument("--profile-server", metavar="OUT", default=None,
                         help="sample the server's thread stacks (bench/stack_sampler.py) into OUT, split by side")
@@ -219,7 +331,7 @@ def main() -> int:  # noqa: C901 - a linear script
                         break
                 except httpx.HTTPError:
                     time.sleep(0.5)
-            result = asyncio.run(bench(url, spool, args, vocab))
+            result = asyncio.run(bench(url, spool, args, vocab, server.pid))
         finally:
             if args.probe_server:
                 time.sleep(2.5)  # the probe rewrites its file every 2 s: let it take in the last round
@@ -233,12 +345,15 @@ def main() -> int:  # noqa: C901 - a linear script
                    "rounds": args.rounds, "capture_on_tok_s": round(on, 1), "capture_off_tok_s": round(off, 1),
                    "ratio_on_off": round(on / off, 3), "all_on": [round(x) for x in result["on"]],
                    "all_off": [round(x) for x in result["off"]], "spool_write_ceiling": ceiling,
-                   "per_round_ratios": round_ratios(result)}
+                   "per_round_ratios": round_ratios(result), "clients": args.clients,
+                   "cpu_per_side": cpu_summary(result)}
         print(json.dumps(summary, indent=2))
         pairs = sorted(a / b for a, b in zip(result["on"], result["off"]))
         print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}]")
         print(f"per-round ratios (round i on / round i off): min {pairs[0]:.3f}, median "
               f"{statistics.median(pairs):.3f}, max {pairs[-1]:.3f} over {len(pairs)} rounds")
+        for side, figures in summary["cpu_per_side"].items():
+            print(f"capture {side}: " + ", ".join(f"{k} {v}" for k, v in figures.items()) + f" ({args.clients} client processes)")
         if args.probe_server and Path(args.probe_server).is_file():
             print("server prefill probe:", Path(args.probe_server).read_text())
         print(f"spool write ceiling: {ceiling['tok_s']:,} tok/s ({ceiling['gb_s']} GB/s, {ceiling['threads']} writer "

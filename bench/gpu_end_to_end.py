@@ -392,26 +392,39 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     # Capture overhead: the same server, prefill-only requests with capture (rid) vs without.
     sys.path.insert(0, str(ROOT / "bench"))
     from capture_overhead import bench as overhead_bench
-    from capture_overhead import round_ratios
+    from capture_overhead import cpu_summary, round_ratios
 
-    class A:  # the capture benchmark's knobs
-        # Two batches in flight, as extraction runs; ~1 s rounds, so filling and draining the pipeline
-        # (a fixed cost per round) does not dominate.
-        # 10 rounds a side: on this small target a round's rate swings by +-20% from one round to the
-        # next (host-bound Python on both ends), so 6 left the ratio +-0.1 from run to run.
-        concurrency, length, requests, rounds = 16, 512, 384, 10
-    if args.quick:  # a CPU smoke run: the code path, not a figure
-        A.requests, A.rounds = 32, 2
-    ov = asyncio.run(overhead_bench(manager.record()["url"], ws.spool_dir, A, len(tok)))
     import statistics
 
-    results["capture_overhead"] = round(statistics.median(ov["on"]) / statistics.median(ov["off"]), 3)
-    pairs = round_ratios(ov)
-    results["capture_overhead_rounds"] = {"on_tok_s": [round(x) for x in ov["on"]],
-                                          "off_tok_s": [round(x) for x in ov["off"]], "round_ratios": pairs,
-                                          "median_round_ratio": statistics.median(pairs)}
-    log(f"capture overhead ratio {results['capture_overhead']} (on {ov['on']}, off {ov['off']}; "
-        f"round i on / round i off: median {statistics.median(pairs)}, {min(pairs)}..{max(pairs)})")
+    # Three loads on the same server, each 10 alternating rounds a side of 384 prompts x 512 tokens.
+    # One Python client process tops out near ~300 requests/s of 512 ids (2-5 ms of its CPU each, more
+    # when it also frees captured segments): with one client, the client sets both sides' pace and the
+    # ratio says little about the server (H200: busiest client at 1.0-1.15 CPU s per wall s). The
+    # headline is the last load, declared before it was measured: four client processes and 64 in
+    # flight, so neither the client nor a captured reply's wait for its segment sets the pace; it is
+    # the server's own prefill throughput with capture against without.
+    loads = [(1, 16), (4, 16), (4, 64)]
+    server_pid = manager.job().pid
+    results["capture_overhead_loads"] = []
+    for clients, concurrency in loads:
+        class A:  # the capture benchmark's knobs
+            length, requests, rounds = 512, 384, 10
+        A.clients, A.concurrency = clients, concurrency
+        if args.quick:  # a CPU smoke run: the code path, not a figure
+            A.requests, A.rounds, A.clients = 32, 2, min(clients, 2)
+        name = f"{A.clients} client process{'es' if A.clients > 1 else ''}, {A.concurrency} in flight"
+        ov = asyncio.run(overhead_bench(manager.record()["url"], ws.spool_dir, A, len(tok), server_pid=server_pid))
+        pairs = round_ratios(ov)
+        load = {"load": name, "ratio": round(statistics.median(ov["on"]) / statistics.median(ov["off"]), 3),
+                "on_tok_s": [round(x) for x in ov["on"]], "off_tok_s": [round(x) for x in ov["off"]],
+                "round_ratios": pairs, "median_round_ratio": statistics.median(pairs),
+                "cpu_per_side": cpu_summary(ov)}
+        results["capture_overhead_loads"].append(load)
+        log(f"capture overhead, {name}: ratio of medians {load['ratio']} ({statistics.median(ov['on']):,.0f} vs "
+            f"{statistics.median(ov['off']):,.0f} tok/s); round pairs median {load['median_round_ratio']}, "
+            f"{min(pairs)}..{max(pairs)}; CPU per side {load['cpu_per_side']}")
+    results["capture_overhead"] = results["capture_overhead_loads"][-1]["ratio"]
+    save_results(out, results)
     import httpx
 
     # Whether the prefill-only batches replayed CUDA graphs (and which buckets), as the server says.
