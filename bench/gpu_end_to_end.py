@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -404,25 +405,29 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     # flight, so neither the client nor a captured reply's wait for its segment sets the pace; it is
     # the server's own prefill throughput with capture against without.
     loads = [(1, 16), (4, 16), (4, 64)]
-    server_pid = manager.job().pid
     results["capture_overhead_loads"] = []
-    for clients, concurrency in loads:
+
+    def measure_load(clients: int, concurrency: int, note: str = "") -> dict:
         class A:  # the capture benchmark's knobs
             length, requests, rounds = 512, 384, 10
         A.clients, A.concurrency = clients, concurrency
         if args.quick:  # a CPU smoke run: the code path, not a figure
             A.requests, A.rounds, A.clients = 32, 2, min(clients, 2)
-        name = f"{A.clients} client process{'es' if A.clients > 1 else ''}, {A.concurrency} in flight"
-        ov = asyncio.run(overhead_bench(manager.record()["url"], ws.spool_dir, A, len(tok), server_pid=server_pid))
+        name = f"{A.clients} client process{'es' if A.clients > 1 else ''}, {A.concurrency} in flight{note}"
+        ov = asyncio.run(overhead_bench(manager.record()["url"], ws.spool_dir, A, len(tok),
+                                        server_pid=manager.job().pid))
         pairs = round_ratios(ov)
         load = {"load": name, "ratio": round(statistics.median(ov["on"]) / statistics.median(ov["off"]), 3),
                 "on_tok_s": [round(x) for x in ov["on"]], "off_tok_s": [round(x) for x in ov["off"]],
                 "round_ratios": pairs, "median_round_ratio": statistics.median(pairs),
                 "cpu_per_side": cpu_summary(ov)}
-        results["capture_overhead_loads"].append(load)
         log(f"capture overhead, {name}: ratio of medians {load['ratio']} ({statistics.median(ov['on']):,.0f} vs "
             f"{statistics.median(ov['off']):,.0f} tok/s); round pairs median {load['median_round_ratio']}, "
             f"{min(pairs)}..{max(pairs)}; CPU per side {load['cpu_per_side']}")
+        return load
+
+    for clients, concurrency in loads:
+        results["capture_overhead_loads"].append(measure_load(clients, concurrency))
     results["capture_overhead"] = results["capture_overhead_loads"][-1]["ratio"]
     save_results(out, results)
     import httpx
@@ -431,6 +436,24 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     results["prefill_cuda_graphs"] = httpx.get(manager.record()["url"] + "/server_info", timeout=30).json().get(
         "prefill_cuda_graphs")
     log(f"server prefill CUDA graphs: {results['prefill_cuda_graphs']}")
+    save_results(out, results)
+    # The headline load again on a server whose GIL switch interval is 0.5 ms instead of Python's 5:
+    # a capture writer gives the GIL away at each system call (~5 a segment) and, while the HTTP loop
+    # and the model thread keep it busy, waits up to a whole interval to take it back (dev machine:
+    # 17 segments/s beside a spinning thread at 5 ms, 165 at 0.5 ms). Side by side in this run; the
+    # server then restarts as configured for the extraction.
+    asyncio.run(manager.stop(grace=10))
+    previous = os.environ.get("EAGLE3_GIL_SWITCH_MS")
+    os.environ["EAGLE3_GIL_SWITCH_MS"] = "0.5"
+    try:
+        asyncio.run(manager.start())
+        results["capture_overhead_loads"].append(measure_load(*loads[-1], note=", GIL switch 0.5 ms"))
+    finally:
+        os.environ.pop("EAGLE3_GIL_SWITCH_MS")
+        if previous is not None:
+            os.environ["EAGLE3_GIL_SWITCH_MS"] = previous
+        asyncio.run(manager.stop(grace=10))
+    asyncio.run(manager.start())
     save_results(out, results)
 
     jobs = JobManager(ws.jobs_dir)
