@@ -41,6 +41,7 @@ def test_start_reports_ready_with_capture_flags(running):
     assert status.url.startswith("http://127.0.0.1:")
     assert status.capture["enabled"] is True
     assert status.flags["disable_radix_cache"] is True
+    assert status.flags["prefill_graphs"] == "off"  # CPU: no CUDA graphs, as the local server says
     assert psutil.pid_exists(status.pid)
     record = manager.record()
     assert record["desired"] == "running" and record["job_id"] == status.job_id

@@ -50,6 +50,9 @@ def flags_text(flags: dict, width: int) -> str:
         if key == "disable_radix_cache" and value is False:
             parts.append("[$error]radix cache ON[/]")
             continue
+        if key == "prefill_graphs" and value == "failed":
+            parts.append("[$warning]prefill graphs failed (eager)[/]")
+            continue
         parts.append(f"[$text-muted]{esc(key)}=[/]{esc(value)}")
     if not parts:
         return "[$text-muted]flags: —[/]"

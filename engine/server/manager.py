@@ -67,6 +67,22 @@ FLAG_KEYS = ("disable_radix_cache", "speculative_algorithm", "enable_metrics", "
              "enable_mixed_chunk", "skip_server_warmup", "tp_size", "dp_size", "attention_backend")
 
 
+def server_flags(info: dict[str, Any]) -> dict[str, Any]:
+    """The capture-relevant flags of /server_info, plus the local server's prefill CUDA graphs in
+    one word: "on (N buckets)", "off", or "failed" (prefill then runs eagerly, several times slower
+    on a small target)."""
+    flags = {k: info.get(k) for k in FLAG_KEYS if k in info}
+    graphs = info.get("prefill_cuda_graphs")
+    if isinstance(graphs, dict):
+        if graphs.get("failure"):
+            flags["prefill_graphs"] = "failed"
+        elif graphs.get("enabled"):
+            flags["prefill_graphs"] = f"on ({len(graphs.get('buckets') or [])} buckets)"
+        else:
+            flags["prefill_graphs"] = "off"
+    return flags
+
+
 def port_in_use(host: str, port: int) -> str | None:
     """None if we can bind host:port, else a description naming who holds it (when visible)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -209,7 +225,7 @@ class ServerManager:
                 await client.aclose()
         return ServerStatus(
             state="ready", model=str(info.get("model_path", "")), capture=_capture_info(info),
-            flags={k: info.get(k) for k in FLAG_KEYS if k in info},
+            flags=server_flags(info),
             gen_throughput=metrics.get("sglang:gen_throughput"),
             running_reqs=metrics.get("sglang:num_running_reqs"),
             queued_reqs=metrics.get("sglang:num_queue_reqs"),
