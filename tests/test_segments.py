@@ -92,6 +92,14 @@ def test_write_and_assemble_single_segment(tmp_path):
     assert capture.input_ids.dtype == torch.int64
 
 
+def test_write_recreates_a_spool_that_was_removed(tmp_path):
+    spool = tmp_path / "gone" / "spool"  # e.g. /dev/shm cleared under a running server
+    ids, aux, final = make_states(3)
+    path = write_segment(spool, "req-1", 0, ids, aux, final, LAYERS)
+    assert path.is_file()
+    assert assemble(spool, "req-1", expected_len=3).num_tokens == 3
+
+
 def test_chunked_prefill_segments_stitch_in_position_order(tmp_path):
     parts = [make_states(4, 0), make_states(3, 4), make_states(6, 7)]
     # write out of order: assembly must order by start, not by write time

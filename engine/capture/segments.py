@@ -115,7 +115,14 @@ def write_segment(
         "dtype": str(final.dtype).removeprefix("torch."),
     }
     path = segment_path(spool_dir, rid, start)
-    os.makedirs(path.parent, exist_ok=True)
+    # One mkdir, not makedirs' stat-then-mkdir: each system call hands the GIL away and a writer waits
+    # to get it back while the server's other threads are busy.
+    try:
+        os.mkdir(path.parent)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # the spool itself is gone: recreate it
+        os.makedirs(path.parent, exist_ok=True)
     publish_via_path(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return path
 
