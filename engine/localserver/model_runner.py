@@ -507,12 +507,49 @@ class ModelRunner:
         if states is None:
             return False
         if capture_rows and self.capture is not None:
-            # The graph's outputs are overwritten by its next replay while the row copies still run on
-            # the copy stream: the final state gets a buffer of its own (the layers get one from the cat).
-            states["final"] = states["final"].clone()
-            self._queue_captures(completions, capture_rows, lengths, host_ids, states)
+            self._queue_batch_captures(completions, capture_rows, lengths, host_ids, states)
         self._decode(group, completions, lengths, None, None, None)  # prefill only: no logits needed
         return True
+
+    def _queue_batch_captures(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
+        """The graph path's captures: one pinned buffer and one copy per batch for each of the aux
+        and final states, the rows handed to the writers as views of it.
+
+        A small target replays its prefill in one launch, so the per-row work of `_queue_captures`
+        (two pinned buffers, two copies and four slices a row, each torch call a GIL hand-off the
+        model thread waits to get back while the HTTP loop and the writers are busy) becomes most
+        of its host time. Graph buckets have fixed shapes, so the host allocator's cached blocks
+        fit every batch again; eager batches (large targets) keep the per-row copies."""
+        import torch
+
+        assert self.capture is not None
+        width = max(lengths[row] for row in rows)
+        if rows == list(range(len(rows))):  # extraction: every real row is captured
+            pick = slice(0, len(rows))
+        else:
+            pick = torch.tensor(rows, device=states["final"].device)
+        # New tensors on the compute stream, not views: the next replay overwrites the graph's outputs
+        # while the copy stream still reads these.
+        aux_states = torch.cat([states[f"layer{layer}"][pick, :width] for layer in self.capture.layers], dim=-1)
+        final_states = states["final"][pick, :width].contiguous()
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=final_states.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        aux_states.record_stream(self._copy_stream)
+        final_states.record_stream(self._copy_stream)
+        with torch.cuda.stream(self._copy_stream):
+            aux = torch.empty(aux_states.shape, dtype=aux_states.dtype, pin_memory=True)
+            final = torch.empty(final_states.shape, dtype=final_states.dtype, pin_memory=True)
+            aux.copy_(aux_states, non_blocking=True)
+            final.copy_(final_states, non_blocking=True)
+            copied = torch.cuda.Event(blocking=True)
+            copied.record(self._copy_stream)
+        del aux_states, final_states
+        items = [(completions[row], host_ids[row, :lengths[row]], aux[i, :lengths[row]], final[i, :lengths[row]], copied)
+                 for i, row in enumerate(rows)]
+        for item in items:
+            item[0].capture_queued = True
+            self._write_queue.put(item)
 
     def _queue_captures(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
         """Queue the captured rows' segments; `states` maps hook keys to [B, W, ...] tensors."""
