@@ -85,6 +85,49 @@ def test_graph_forward_captures_what_the_eager_server_forward_captures(tiny_mode
             torch.testing.assert_close(static[key][row, :n], eager[key][row, :n], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("captured", [[0, 1, 2], [0, 2]], ids=["all-rows", "some-rows"])
+def test_batch_captures_hand_each_row_its_own_real_positions(tiny_model_dir: Path, tmp_path: Path, captured):
+    """The graph path queues one buffer per batch and gives every captured row views of it: each
+    written segment must hold exactly that row's real positions of the padded bucket's states (not
+    the padding, not a neighbour's), through safetensors, for all rows and for a subset. On CPU the
+    buffers are the concatenated states; on CUDA they are pinned copies (the GPU box's server test)."""
+    from types import SimpleNamespace
+
+    from engine.capture.segments import assemble, write_segment
+
+    spool = tmp_path / "spool"
+    runner = ModelRunner(tiny_model_dir, device="cpu", dtype="float32",
+                         capture=CaptureConfig(layers=[0, 1, 2], spool_dir=spool))
+    runner.load()
+    lengths = [11, 4, 7]
+    generator = torch.Generator().manual_seed(1)
+    padded = torch.full((4, 128), runner.pad_token_id, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        padded[row, :n] = torch.randint(3, runner.vocab_size, (n,), generator=generator)
+    host_ids = padded[:3, :max(lengths)].clone()
+    with torch.inference_mode():
+        graphs = PrefillGraphs(runner.model.get_decoder(), "cpu", 4, runner.pad_token_id, runner._set_hooks,
+                               max_tokens=8192)
+        store = runner._set_hooks(True)
+        graphs.forward_static(padded, torch.tensor(lengths + [1]))
+        states = dict(store)
+        runner._set_hooks(False)
+        completions = [SimpleNamespace(capture_queued=False, rid=f"row-{row}") for row in range(3)]
+        runner._queue_batch_captures(completions, captured, lengths, host_ids, states)
+    queued = [runner._write_queue.get_nowait() for _ in captured]
+    assert runner._write_queue.empty()
+    assert [item[0].rid for item in queued] == [f"row-{row}" for row in captured]
+    assert all(completions[row].capture_queued for row in captured)
+    for (completion, ids, aux, final, copied), row in zip(queued, captured):
+        n = lengths[row]
+        assert copied is None and ids.tolist() == padded[row, :n].tolist()
+        write_segment(spool, completion.rid, 0, ids, aux, final, [0, 1, 2])
+        segment = assemble(spool, completion.rid, expected_len=n, expected_input_ids=padded[row, :n].tolist())
+        expected_aux = torch.cat([states[f"layer{layer}"][row, :n] for layer in (0, 1, 2)], dim=-1)
+        assert torch.equal(segment.aux_hidden_state, expected_aux)
+        assert torch.equal(segment.hidden_state, states["final"][row, :n])
+
+
 def test_graphs_stay_off_on_cpu_and_when_disabled(tiny_model_dir: Path):
     decoder = torch.nn.Identity()
     assert PrefillGraphs(decoder, "cpu", 8, 0, lambda active: {}, max_tokens=8192).bucket(2, 10) is None

@@ -532,18 +532,21 @@ class ModelRunner:
         # while the copy stream still reads these.
         aux_states = torch.cat([states[f"layer{layer}"][pick, :width] for layer in self.capture.layers], dim=-1)
         final_states = states["final"][pick, :width].contiguous()
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=final_states.device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream())
-        aux_states.record_stream(self._copy_stream)
-        final_states.record_stream(self._copy_stream)
-        with torch.cuda.stream(self._copy_stream):
-            aux = torch.empty(aux_states.shape, dtype=aux_states.dtype, pin_memory=True)
-            final = torch.empty(final_states.shape, dtype=final_states.dtype, pin_memory=True)
-            aux.copy_(aux_states, non_blocking=True)
-            final.copy_(final_states, non_blocking=True)
-            copied = torch.cuda.Event(blocking=True)
-            copied.record(self._copy_stream)
+        if final_states.is_cuda:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device=final_states.device)
+            self._copy_stream.wait_stream(torch.cuda.current_stream())
+            aux_states.record_stream(self._copy_stream)
+            final_states.record_stream(self._copy_stream)
+            with torch.cuda.stream(self._copy_stream):
+                aux = torch.empty(aux_states.shape, dtype=aux_states.dtype, pin_memory=True)
+                final = torch.empty(final_states.shape, dtype=final_states.dtype, pin_memory=True)
+                aux.copy_(aux_states, non_blocking=True)
+                final.copy_(final_states, non_blocking=True)
+                copied = torch.cuda.Event(blocking=True)
+                copied.record(self._copy_stream)
+        else:  # CPU (tests): the new tensors are the host buffers
+            aux, final, copied = aux_states, final_states, None
         del aux_states, final_states
         items = [(completions[row], host_ids[row, :lengths[row]], aux[i, :lengths[row]], final[i, :lengths[row]], copied)
                  for i, row in enumerate(rows)]
