@@ -10,7 +10,9 @@ def test_prefill_graphs_summarised_in_one_word():
     info = {"disable_radix_cache": True, "unrelated": 1,
             "prefill_cuda_graphs": {"enabled": True, "max_tokens": 8192, "failure": None,
                                     "buckets": ["1x512", "8x512"]}}
-    assert server_flags(info) == {"disable_radix_cache": True, "prefill_graphs": "on (2 buckets)"}
+    flags = server_flags(info)
+    assert flags == {"disable_radix_cache": True, "prefill_graphs": "on (2 buckets)"}
+    assert list(flags)[0] == "prefill_graphs"  # shown first: the pane clips the flags line
     info["prefill_cuda_graphs"] = {"enabled": False, "failure": "capture of 8x512 failed: out of memory"}
     assert server_flags(info)["prefill_graphs"] == "failed"
     info["prefill_cuda_graphs"] = {"enabled": False}
