@@ -417,8 +417,7 @@ class ModelRunner:
                 completion.abort(message)
         finally:
             self.stats.num_running_reqs = 0
-            self._hooks_active = False
-            self._hook_store.clear()
+            self._set_hooks(False)
 
     def _writer_loop(self) -> None:
         from engine.capture.segments import write_segment
@@ -485,12 +484,12 @@ class ModelRunner:
             # Logits only where a next token is needed: the last real position of each row.
             keep_positions = sorted(set(n - 1 for n in lengths))
             keep = torch.tensor(keep_positions, device=device) if self._has_logits_to_keep else None
-            self._hooks_active = bool(capture_rows) and self.capture is not None
+            store = self._set_hooks(bool(capture_rows) and self.capture is not None)
             logits, cache = self._forward(input_ids, mask, positions, None, keep)
-            self._hooks_active = False
+            self._set_hooks(False)
             if capture_rows:
-                self._queue_captures(completions, capture_rows, lengths, host_ids, self._hook_store)
-            self._hook_store.clear()
+                self._queue_captures(completions, capture_rows, lengths, host_ids, store)
+            store.clear()  # the captured layer outputs are not kept alive through the decode
             if keep is not None:
                 index_of = {pos: i for i, pos in enumerate(keep_positions)}
                 last = torch.stack([logits[row, index_of[lengths[row] - 1]] for row in range(batch)])
@@ -548,11 +547,10 @@ class ModelRunner:
         else:  # CPU (tests): the new tensors are the host buffers
             aux, final, copied = aux_states, final_states, None
         del aux_states, final_states
-        items = [(completions[row], host_ids[row, :lengths[row]], aux[i, :lengths[row]], final[i, :lengths[row]], copied)
-                 for i, row in enumerate(rows)]
-        for item in items:
-            item[0].capture_queued = True
-            self._write_queue.put(item)
+        for i, row in enumerate(rows):
+            n = lengths[row]
+            completions[row].capture_queued = True
+            self._write_queue.put((completions[row], host_ids[row, :n], aux[i, :n], final[i, :n], copied))
 
     def _queue_captures(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
         """Queue the captured rows' segments; `states` maps hook keys to [B, W, ...] tensors."""
