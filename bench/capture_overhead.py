@@ -288,6 +288,8 @@ def main() -> int:  # noqa: C901 - a linear script
                         help="time the server's prefill forwards from inside (bench/runner_probe.py: host/GPU ms, "
                              "allocator counts, captured vs plain) into OUT")
     args = parser.parse_args()
+    if args.clients < 1:
+        parser.error(f"--clients {args.clients}: give at least 1 client process")
     global PHASE_FILE
     import torch
 
