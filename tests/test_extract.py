@@ -145,8 +145,9 @@ def test_corrupted_record_is_detected_and_redone(server_ws):
 
 
 def test_dead_writers_temp_files_are_swept_and_a_locked_run_is_refused(server_ws):
-    """A writer killed mid-write leaves `.NAME.XXXX.tmp` beside the records; the next session
-    removes it (it never reached the manifest). While another process (a real one here) holds
+    """A writer killed mid-write leaves `.NAME.XXXX.tmp` beside the records (or beside
+    complete.json, when killed while finishing); the next session removes both (neither was ever
+    renamed into place). While another process (a real one here) holds
     the run's lock, a second extraction and a release of that run are both refused."""
     from engine.extract.guard import ExtractionRefused
     from engine.extract.job import RUN_LOCK
@@ -157,10 +158,12 @@ def test_dead_writers_temp_files_are_swept_and_a_locked_run_is_refused(server_ws
     dead = run_dir / "records" / "00000" / ".c007.safetensors.hby75h61.tmp"
     dead.parent.mkdir(parents=True)
     dead.write_bytes(b"half a record")
+    dead_summary = run_dir / ".complete.json.8i7ddnxq.tmp"
+    dead_summary.write_bytes(b'{"samples": ')
     with lock_held_by_another_process(run_dir, RUN_LOCK) as holder_pid:
         with pytest.raises(ExtractionRefused, match=f"being extracted by pid {holder_pid}"):
             asyncio.run(Extractor(ws).run())
-        assert dead.exists(), "a temp file is left alone while another writer may own it"
+        assert dead.exists() and dead_summary.exists(), "temp files are left alone while another writer may own them"
         ws.save_config(set_value(ws.config, "extract.run", "other"))  # else refused as the configured run
         ws.reload()
         reason = in_use_reason(ws, run_name)
@@ -172,7 +175,7 @@ def test_dead_writers_temp_files_are_swept_and_a_locked_run_is_refused(server_ws
     extractor = Extractor(ws)
     extractor.event = lambda kind, **data: events.append((kind, data))
     assert asyncio.run(extractor.run()) == 0
-    assert ("swept_temp", {"count": 1}) in events and not dead.exists()
+    assert ("swept_temp", {"count": 2}) in events and not dead.exists() and not dead_summary.exists()
     _assert_exactly_once(ws)
 
 

@@ -344,8 +344,9 @@ class Extractor:
         from engine.client import ServerClient
 
         self._check_run_meta(plan, hidden, layers)
-        # Lock held: only a writer killed mid-write can have left a temp file among the records.
-        swept = await asyncio.to_thread(atomic.remove_dead_temp_files, self.run_dir, ["records/*"])
+        # Lock held: only a writer killed mid-write can have left a temp file, among the records or
+        # beside them (complete.json, token counts, a manifest rewrite: a kill while finishing).
+        swept = await asyncio.to_thread(atomic.remove_dead_temp_files, self.run_dir, [".", "records/*"])
         if swept:
             self.event("swept_temp", count=swept)
         await asyncio.to_thread(self._release_stale_spool)
