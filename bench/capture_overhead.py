@@ -287,7 +287,12 @@ def main() -> int:  # noqa: C901 - a linear script
     parser.add_argument("--probe-server", metavar="OUT", default=None,
                         help="time the server's prefill forwards from inside (bench/runner_probe.py: host/GPU ms, "
                              "allocator counts, captured vs plain) into OUT")
+    parser.add_argument("--ablate", choices=("skip-write", "skip-copy"), default=None,
+                        help="switch one part of capturing off in the server (bench/capture_ablation.py) to see "
+                             "what it costs; the 'on' side then captures nothing to disk")
     args = parser.parse_args()
+    if args.ablate and (args.profile_server or args.probe_server):
+        parser.error("--ablate wraps the server itself: run it without --profile-server/--probe-server")
     if args.clients < 1:
         parser.error(f"--clients {args.clients}: give at least 1 client process")
     global PHASE_FILE
@@ -317,6 +322,8 @@ def main() -> int:  # noqa: C901 - a linear script
                          "--phase-file", PHASE_FILE, "--"]
         elif args.probe_server:
             launcher += [str(Path(__file__).with_name("runner_probe.py")), str(Path(args.probe_server).resolve()), "--"]
+        elif args.ablate:
+            launcher += [str(Path(__file__).with_name("capture_ablation.py")), args.ablate, "--"]
         server = subprocess.Popen(
             [*launcher, "-m", "engine.localserver", "--model-path", str(model_dir), "--port", str(port),
              "--device", "cuda" if gpu else "cpu", "--dtype", dtype, "--capture-layers",
@@ -350,10 +357,12 @@ def main() -> int:  # noqa: C901 - a linear script
                    "rounds": args.rounds, "capture_on_tok_s": round(on, 1), "capture_off_tok_s": round(off, 1),
                    "ratio_on_off": round(on / off, 3), "all_on": [round(x) for x in result["on"]],
                    "all_off": [round(x) for x in result["off"]], "spool_write_ceiling": ceiling,
-                   "per_round_ratios": round_ratios(result), "clients": args.clients,
+                   "per_round_ratios": round_ratios(result), "clients": args.clients, "ablate": args.ablate,
                    "cpu_per_side": cpu_summary(result)}
         print(json.dumps(summary, indent=2))
         pairs = sorted(a / b for a, b in zip(result["on"], result["off"]))
+        if args.ablate:
+            print(f"ABLATION {args.ablate}: the 'on' side below did not capture in full (see capture_ablation.py)")
         print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}]")
         print(f"per-round ratios (round i on / round i off): min {pairs[0]:.3f}, median "
               f"{statistics.median(pairs):.3f}, max {pairs[-1]:.3f} over {len(pairs)} rounds")

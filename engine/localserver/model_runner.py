@@ -132,6 +132,26 @@ class _Completion:
         self.request.emit(DoneEvent(finish_reason=self._finish, error=self._error))
 
 
+def _pinned_copy(device_tensor: Any) -> Any:
+    """A non-blocking copy into a new pinned host buffer, on the current stream: the forward never
+    waits for the host; a writer thread waits on the batch's `_copies_landed` event instead."""
+    import torch
+
+    host = torch.empty(device_tensor.shape, dtype=device_tensor.dtype, pin_memory=True)
+    host.copy_(device_tensor, non_blocking=True)
+    return host
+
+
+def _copies_landed(stream: Any) -> Any:
+    """An event recorded after the copies queued on `stream`. Blocking: a writer sleeps until they
+    land instead of spinning a core (CUDA spin-waits by default), which the model thread needs."""
+    import torch
+
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    return event
+
+
 DEFAULT_CAPTURE_WRITERS = 4
 
 
@@ -510,6 +530,20 @@ class ModelRunner:
         self._decode(group, completions, lengths, None, None, None)  # prefill only: no logits needed
         return True
 
+    def _copy_stream_after(self, *device_tensors: Any) -> Any:
+        """The stream for the captured states' device-to-host copies, ordered after the compute
+        stream's work so far. The copies overlap the next batch's forward instead of queuing
+        behind it; `record_stream` keeps the allocator from handing `device_tensors`' blocks to
+        that forward before the copy stream has read them."""
+        import torch
+
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=device_tensors[0].device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        for tensor in device_tensors:
+            tensor.record_stream(self._copy_stream)
+        return self._copy_stream
+
     def _queue_batch_captures(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
         """The graph path's captures: one pinned buffer and one copy per batch for each of the aux
         and final states, the rows handed to the writers as views of it.
@@ -532,18 +566,9 @@ class ModelRunner:
         aux_states = torch.cat([states[f"layer{layer}"][pick, :width] for layer in self.capture.layers], dim=-1)
         final_states = states["final"][pick, :width].contiguous()
         if final_states.is_cuda:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=final_states.device)
-            self._copy_stream.wait_stream(torch.cuda.current_stream())
-            aux_states.record_stream(self._copy_stream)
-            final_states.record_stream(self._copy_stream)
-            with torch.cuda.stream(self._copy_stream):
-                aux = torch.empty(aux_states.shape, dtype=aux_states.dtype, pin_memory=True)
-                final = torch.empty(final_states.shape, dtype=final_states.dtype, pin_memory=True)
-                aux.copy_(aux_states, non_blocking=True)
-                final.copy_(final_states, non_blocking=True)
-                copied = torch.cuda.Event(blocking=True)
-                copied.record(self._copy_stream)
+            with torch.cuda.stream(self._copy_stream_after(aux_states, final_states)):
+                aux, final = _pinned_copy(aux_states), _pinned_copy(final_states)
+                copied = _copies_landed(self._copy_stream)
         else:  # CPU (tests): the new tensors are the host buffers
             aux, final, copied = aux_states, final_states, None
         del aux_states, final_states
@@ -563,37 +588,17 @@ class ModelRunner:
         # each row is copied straight from it (per-row work is two buffers and two copies).
         aux_states = torch.cat(layer_states, dim=-1)
         on_gpu = final_states.is_cuda
-        copied = None
-        if on_gpu:
-            if self._copy_stream is None:
-                # The copies run on their own stream, overlapping the next batch's forward instead of
-                # queuing behind it on the compute stream.
-                self._copy_stream = torch.cuda.Stream(device=final_states.device)
-            self._copy_stream.wait_stream(torch.cuda.current_stream())  # after the concatenation
-            # The allocator must not hand these blocks to the next forward before the copy stream
-            # has read them.
-            aux_states.record_stream(self._copy_stream)
-            final_states.record_stream(self._copy_stream)
         items = []
-        with torch.cuda.stream(self._copy_stream) if on_gpu else contextlib.nullcontext():
+        with torch.cuda.stream(self._copy_stream_after(aux_states, final_states)) if on_gpu \
+                else contextlib.nullcontext():
             for row in rows:
-                aux_dev, final_dev = aux_states[row, :lengths[row]], final_states[row, :lengths[row]]
+                aux, final = aux_states[row, :lengths[row]], final_states[row, :lengths[row]]
                 if on_gpu:
-                    # Pinned buffers + non-blocking copies: the forward never waits for the host; the
-                    # writer threads wait on the batch's event instead.
-                    aux = torch.empty(aux_dev.shape, dtype=aux_dev.dtype, pin_memory=True)
-                    final = torch.empty(final_dev.shape, dtype=final_dev.dtype, pin_memory=True)
-                    aux.copy_(aux_dev, non_blocking=True)
-                    final.copy_(final_dev, non_blocking=True)
-                else:
-                    aux, final = aux_dev, final_dev
+                    aux, final = _pinned_copy(aux), _pinned_copy(final)
                 # The ids come from the host batch: no device-to-host copy, no sync.
                 items.append([completions[row], host_ids[row, :lengths[row]], aux, final, None])
         if on_gpu:
-            # Blocking: a writer sleeps until the copies land instead of spinning a core (CUDA
-            # spin-waits by default), which the model thread needs.
-            copied = torch.cuda.Event(blocking=True)
-            copied.record(self._copy_stream)
+            copied = _copies_landed(self._copy_stream)
             for item in items:
                 item[4] = copied
         # Every copy is queued before the first put, which blocks while the disk lags: the

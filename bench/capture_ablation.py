@@ -1,0 +1,61 @@
+"""Run the local target server with one part of capturing switched off, to find what it costs.
+
+    python bench/capture_ablation.py MODE -- -m engine.localserver --port ...
+
+MODE:
+  skip-write  the device-to-host copies run and a writer thread waits for them as usual, but no
+              segment file is written (the server's file writes, system calls included, are gone)
+  skip-copy   the hooks capture as usual on the GPU, but nothing is copied to the host or written:
+              a captured request is answered as soon as its batch is queued
+
+Used by `capture_overhead.py --ablate MODE`. A diagnostic only: requests "captured" this way leave
+nothing in the spool, so no extraction can run against such a server.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODES = ("skip-write", "skip-copy")
+
+
+def install(mode: str) -> None:
+    from engine.capture import segments
+    from engine.localserver.model_runner import ModelRunner
+
+    if mode == "skip-write":
+        def no_write(spool_dir, rid, start, *_args, **_kwargs):
+            return segments.segment_path(spool_dir, rid, start)
+
+        segments.write_segment = no_write  # the writer loop imports it from the module when it starts
+    elif mode == "skip-copy":
+        def answered_at_once(self, completions, rows, *_args, **_kwargs):
+            for row in rows:
+                completions[row].capture_queued = True
+                completions[row].finish_capture()
+
+        ModelRunner._queue_captures = answered_at_once
+        ModelRunner._queue_batch_captures = answered_at_once
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: give one of {', '.join(MODES)}")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if "--" not in args:
+        raise SystemExit("usage: capture_ablation.py MODE -- -m MODULE ARGS...")
+    split = args.index("--")
+    own, target = args[:split], args[split + 1:]
+    if len(own) != 1 or target[:1] != ["-m"]:
+        raise SystemExit("usage: capture_ablation.py MODE -- -m MODULE ARGS...")
+    install(own[0])
+    sys.argv = [target[1], *target[2:]]
+    runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
