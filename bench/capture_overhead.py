@@ -290,9 +290,15 @@ def main() -> int:  # noqa: C901 - a linear script
     parser.add_argument("--ablate", choices=("skip-write", "skip-copy"), default=None,
                         help="switch one part of capturing off in the server (bench/capture_ablation.py) to see "
                              "what it costs; the 'on' side then captures nothing to disk")
+    parser.add_argument("--writer", choices=("threads", "process"), default=None,
+                        help="how the server writes segments (EAGLE3_CAPTURE_WRITER; default: as the environment says)")
     args = parser.parse_args()
     if args.ablate and (args.profile_server or args.probe_server):
         parser.error("--ablate wraps the server itself: run it without --profile-server/--probe-server")
+    process_writer = (args.writer or os.environ.get("EAGLE3_CAPTURE_WRITER", "").strip().lower()) == "process"
+    if args.ablate == "skip-write" and process_writer:
+        parser.error("--ablate skip-write patches the server's writer threads; the writer process would still "
+                     "write: use it with --writer threads")
     if args.clients < 1:
         parser.error(f"--clients {args.clients}: give at least 1 client process")
     global PHASE_FILE
@@ -328,7 +334,8 @@ def main() -> int:  # noqa: C901 - a linear script
             [*launcher, "-m", "engine.localserver", "--model-path", str(model_dir), "--port", str(port),
              "--device", "cuda" if gpu else "cpu", "--dtype", dtype, "--capture-layers",
              ",".join(map(str, default_capture_layers(layers))), "--spool-dir", str(spool), "--max-batch", str(args.max_batch or args.concurrency)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+            env={**os.environ, **({"EAGLE3_CAPTURE_WRITER": args.writer} if args.writer else {})})
         try:
             url = f"http://127.0.0.1:{port}"
             import httpx
@@ -343,6 +350,7 @@ def main() -> int:  # noqa: C901 - a linear script
                         break
                 except httpx.HTTPError:
                     time.sleep(0.5)
+            writer = httpx.get(url + "/server_info", timeout=30).json()["capture"]["writer"]
             result = asyncio.run(bench(url, spool, args, vocab, server.pid))
         finally:
             if args.probe_server:
@@ -358,12 +366,14 @@ def main() -> int:  # noqa: C901 - a linear script
                    "ratio_on_off": round(on / off, 3), "all_on": [round(x) for x in result["on"]],
                    "all_off": [round(x) for x in result["off"]], "spool_write_ceiling": ceiling,
                    "per_round_ratios": round_ratios(result), "clients": args.clients, "ablate": args.ablate,
+                   "capture_writer": writer,
                    "cpu_per_side": cpu_summary(result)}
         print(json.dumps(summary, indent=2))
         pairs = sorted(a / b for a, b in zip(result["on"], result["off"]))
         if args.ablate:
             print(f"ABLATION {args.ablate}: the 'on' side below did not capture in full (see capture_ablation.py)")
-        print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}]")
+        print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}; "
+              f"segments written by {writer}]")
         print(f"per-round ratios (round i on / round i off): min {pairs[0]:.3f}, median "
               f"{statistics.median(pairs):.3f}, max {pairs[-1]:.3f} over {len(pairs)} rounds")
         for side, figures in summary["cpu_per_side"].items():

@@ -57,15 +57,20 @@ class RunningServer:
         return ServerClient(self.url, api_key=api_key, timeout=30)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=["threads", "process"], ids=["writer-threads", "writer-process"])
+def server(request, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Every test runs against both ways of writing segments: threads in the server, and a child
+    process fed through shared memory (EAGLE3_CAPTURE_WRITER=process)."""
+    import os
+
     work = tmp_path_factory.mktemp("localserver")
     spool, log = work / "spool", work / "server.log"
     port = free_port()
     argv = server_argv(tiny_model_dir, port, "--capture-layers", "0,1,2", "--spool-dir", str(spool),
                        "--api-key", API_KEY, "--log-level", "info")
     with open(log, "wb") as log_handle:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=log_handle, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log_handle, stderr=subprocess.STDOUT,
+                                env={**os.environ, "EAGLE3_CAPTURE_WRITER": request.param})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)
@@ -91,7 +96,7 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 
 # ---- info endpoints ------------------------------------------------------------------------
 
-async def test_health_and_info(server):
+async def test_health_and_info(server, request):
     async with server.client() as client:
         await client.health()
         await client.health_generate()
@@ -99,8 +104,11 @@ async def test_health_and_info(server):
         assert info["backend"] == "local" and info["tp_size"] == 1
         assert info["disable_radix_cache"] is True and info["speculative_algorithm"] is None
         assert info["enable_metrics"] is True and info["host"] == "127.0.0.1"
+        writer = info["capture"].pop("writer")
         assert info["capture"] == {"enabled": True, "layers": [0, 1, 2], "layers_sglang": [1, 2, 3],
                                    "spool_dir": str(server.spool.resolve())}
+        mode = "process" if "writer-process" in request.node.name else "threads"
+        assert writer.startswith("process (pid " if mode == "process" else "threads (4)"), writer
         model = await client.model_info()
         assert model["is_generation"] is True
         assert (model["num_layers"], model["hidden_size"], model["vocab_size"]) == (4, 64, 300)

@@ -27,3 +27,15 @@ def test_failed_graphs_shown_as_a_warning_and_radix_cache_as_an_error():
     assert "[$warning]prefill graphs failed (eager)[/]" in text
     assert "prefill_graphs=" not in text
     assert "prefill_graphs=[/]on (4 buckets)" in flags_text({"prefill_graphs": "on (4 buckets)"}, 120)
+
+
+def test_capture_writer_in_one_word_and_its_fallback_as_a_warning():
+    info = {"capture": {"enabled": True, "writer": "process (pid 4242)"}}
+    assert server_flags(info) == {"capture_writer": "process"}
+    info["capture"]["writer"] = "threads (4)"
+    assert server_flags(info) == {"capture_writer": "threads"}
+    info["capture"]["writer"] = "threads (4); the capture writer process exited (code -9) with 0 batch(es) unwritten"
+    assert server_flags(info) == {"capture_writer": "process stopped"}
+    assert "[$warning]writer process stopped (threads)[/]" in flags_text(server_flags(info), 120)
+    assert "capture_writer" not in server_flags({"capture": {"enabled": False, "writer": None}})
+    assert "capture_writer" not in server_flags({"capture": "unexpected"})

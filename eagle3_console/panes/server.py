@@ -53,6 +53,9 @@ def flags_text(flags: dict, width: int) -> str:
         if key == "prefill_graphs" and value == "failed":
             parts.append("[$warning]prefill graphs failed (eager)[/]")
             continue
+        if key == "capture_writer" and value == "process stopped":
+            parts.append("[$warning]writer process stopped (threads)[/]")
+            continue
         parts.append(f"[$text-muted]{esc(key)}=[/]{esc(value)}")
     if not parts:
         return "[$text-muted]flags: —[/]"

@@ -318,6 +318,7 @@ class LocalServerApp:
                 "layers": list(capture.layers) if capture else None,
                 "layers_sglang": to_sglang_numbering(capture.layers) if capture else None,
                 "spool_dir": str(capture.spool_dir) if capture else None,
+                "writer": self.runner.writer_description() if capture else None,
             },
             "prefill_cuda_graphs": (self.runner.prefill_graphs.describe() if self.runner.prefill_graphs is not None
                                     else {"enabled": False}),

@@ -168,6 +168,29 @@ def capture_writer_count() -> int:
     return DEFAULT_CAPTURE_WRITERS
 
 
+CAPTURE_WRITER_MODES = ("threads", "process")
+
+
+def capture_writer_mode() -> str:
+    """EAGLE3_CAPTURE_WRITER: "threads" (default) writes segments in the server process;
+    "process" hands whole batches to a child process through shared memory
+    (engine/capture/spool_process.py), so the writes' GIL hand-offs leave the process that
+    launches the kernels. Opt-in until measured on a GPU (bench/RESULTS.md)."""
+    raw = os.environ.get("EAGLE3_CAPTURE_WRITER", "").strip().lower()
+    if raw in ("", "threads"):
+        return "threads"
+    if raw == "process":
+        return "process"
+    print(f"EAGLE3_CAPTURE_WRITER={raw!r} is not one of {', '.join(CAPTURE_WRITER_MODES)}: using threads",
+          file=sys.stderr)
+    return "threads"
+
+
+# Tokens one shared-memory slot holds: the prefill graphs' largest bucket (prefill_graphs.py);
+# larger (eager) batches are written by the in-process threads.
+SPOOL_SLOT_TOKENS = 8192
+
+
 def check_model_dir(model_path: Path) -> None:
     if not model_path.exists():
         raise ModelLoadError("does not exist")
@@ -210,6 +233,10 @@ class ModelRunner:
         self._write_queue: queue.Queue[tuple | None] = queue.Queue(
             maxsize=max(capture_queue_size, 2 * self.capture_writers))
         self._copy_stream: Any = None  # CUDA stream for device-to-host copies of captured states
+        self.writer_mode = capture_writer_mode()
+        self.writer_note = ""  # why the process writer is not in use, when it was asked for
+        self._spool_process: Any = None  # SpoolWriterProcess while it takes batches
+        self._batch_queue: queue.Queue[tuple | None] = queue.Queue(maxsize=2)
         self._prefill_done: queue.Queue[tuple | None] = queue.Queue()  # (CUDA event, [(completion, finish)])
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._stats_lock = threading.Lock()
@@ -349,6 +376,8 @@ class ModelRunner:
         # written in parallel while the model runs the next one.
         targets = [(self._worker_loop, "model-worker"), (self._prefill_waiter_loop, "prefill-waiter")]
         targets += [(self._writer_loop, f"capture-writer-{i}") for i in range(self.capture_writers)]
+        if self.capture is not None and self.writer_mode == "process" and self._start_spool_process():
+            targets.append((self._feeder_loop, "capture-feeder"))
         for target, name in targets:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -407,6 +436,8 @@ class ModelRunner:
 
     def _stop_helpers(self) -> None:
         self._prefill_done.put(None)  # queued after every pending item: those are answered first
+        if self._spool_process is not None:
+            self._batch_queue.put(None)
         for _ in range(self.capture_writers):
             self._write_queue.put(None)
 
@@ -440,25 +471,90 @@ class ModelRunner:
             self._set_hooks(False)
 
     def _writer_loop(self) -> None:
-        from engine.capture.segments import write_segment
-
         while True:
             item = self._write_queue.get()
             if item is None:
                 return
             completion, ids, aux, final, copied = item
-            assert self.capture is not None
+            self._write_here(completion, ids, aux, final, copied)
+
+    def _write_here(self, completion: _Completion, ids: Any, aux: Any, final: Any, copied: Any = None) -> None:
+        """Write one captured row's segment on this thread and answer its request."""
+        from engine.capture.segments import write_segment
+
+        assert self.capture is not None
+        try:
+            # The asynchronous device-to-host copies have landed. Only the batch's first writer
+            # usually waits: `query` keeps the GIL, a `synchronize` hands it away and back.
+            if copied is not None and not copied.query():
+                copied.synchronize()
+            write_segment(self.capture.spool_dir, completion.request.rid, 0, ids, aux, final, self.capture.layers)
+        except Exception as exc:
+            completion.finish_capture(error=f"capture write failed: {_one_line(exc)}")
+        else:
+            completion.finish_capture()
+
+    def _start_spool_process(self) -> bool:
+        """Start the writer process; False (and `writer_note` says why) to stay with threads."""
+        import torch
+
+        from engine.capture.spool_process import SpoolProcessError, SpoolWriterProcess
+
+        assert self.capture is not None
+        element = self.model.dtype.itemsize if self.model is not None else torch.float32.itemsize
+        per_token = (len(self.capture.layers) + 1) * self.hidden_size * element + 8  # + the int64 id
+        writer = SpoolWriterProcess(self.capture.spool_dir, self.capture.layers,
+                                    slot_bytes=SPOOL_SLOT_TOKENS * per_token + 64, threads=self.capture_writers,
+                                    on_failure=lambda reason: print(f"capture: {reason}; threads write the "
+                                                                    "segments from now on", file=sys.stderr))
+        try:
+            writer.start()
+        except SpoolProcessError as exc:
+            self.writer_note = f"process writer unavailable, threads write the segments: {exc}"
+            print(f"capture: {self.writer_note}", file=sys.stderr)
+            return False
+        self._spool_process = writer
+        return True
+
+    def writer_description(self) -> str:
+        """How captured segments are written, for /server_info."""
+        writer = self._spool_process
+        if writer is not None and writer.alive:
+            return f"process (pid {writer.pid})"
+        note = self.writer_note or (writer.failure if writer is not None else "")
+        return f"threads ({self.capture_writers})" + (f"; {note}" if note else "")
+
+    def _feeder_loop(self) -> None:
+        """Hands each captured batch to the writer process once its host copies have landed."""
+        from engine.capture.spool_process import SpoolProcessError
+
+        assert self._spool_process is not None
+        writer = self._spool_process
+        while True:
+            item = self._batch_queue.get()
+            if item is None:
+                writer.close()
+                return
+            batch, ids, aux, final, copied = item
+
+            def answer(errors: list[str | None], batch: list = batch) -> None:
+                for (completion, _), error in zip(batch, errors):
+                    completion.finish_capture(error=error)
+
             try:
-                # The asynchronous device-to-host copies have landed. Only the batch's first writer
-                # usually waits: `query` keeps the GIL, a `synchronize` hands it away and back.
                 if copied is not None and not copied.query():
                     copied.synchronize()
-                write_segment(self.capture.spool_dir, completion.request.rid, 0, ids, aux, final,
-                              self.capture.layers)
-            except Exception as exc:
-                completion.finish_capture(error=f"capture write failed: {_one_line(exc)}")
-            else:
-                completion.finish_capture()
+                writer.submit([completion.request.rid for completion, _ in batch], [n for _, n in batch],
+                              ids, aux, final, answer)
+                continue
+            except SpoolProcessError:
+                pass  # the child is gone (on_failure said so): this thread writes the batch
+            except Exception as exc:  # the batch's forward or copies failed on the device
+                answer([f"capture write failed: {_one_line(exc)}"] * len(batch))
+                continue
+            # Later batches go to the writer threads (`_queue_batch_captures` sees the child dead).
+            for i, (completion, n) in enumerate(batch):
+                self._write_here(completion, ids[i, :n], aux[i, :n], final[i, :n])
 
     # ---- the model --------------------------------------------------------------------
 
@@ -572,6 +668,13 @@ class ModelRunner:
         else:  # CPU (tests): the new tensors are the host buffers
             aux, final, copied = aux_states, final_states, None
         del aux_states, final_states
+        writer = self._spool_process
+        ids = host_ids[rows, :width] if writer is not None else None
+        if writer is not None and writer.alive and writer.fits(ids, aux, final):
+            for row in rows:
+                completions[row].capture_queued = True
+            self._batch_queue.put(([(completions[row], lengths[row]) for row in rows], ids, aux, final, copied))
+            return
         for i, row in enumerate(rows):
             n = lengths[row]
             completions[row].capture_queued = True
@@ -582,6 +685,10 @@ class ModelRunner:
         import torch
 
         assert self.capture is not None
+        if self._spool_process is not None and self._spool_process.alive:
+            # The writer process takes whole batches: one host copy a batch, as on the graph path.
+            self._queue_batch_captures(completions, rows, lengths, host_ids, states)
+            return
         layer_states = [states[f"layer{layer}"] for layer in self.capture.layers]
         final_states = states["final"]
         # One concatenation for the whole batch: a row's [:n] slice of [B, W, 3H] is contiguous, so

@@ -70,7 +70,8 @@ FLAG_KEYS = ("disable_radix_cache", "speculative_algorithm", "enable_metrics", "
 def server_flags(info: dict[str, Any]) -> dict[str, Any]:
     """The capture-relevant flags of /server_info, plus the local server's prefill CUDA graphs in
     one word: "on (N buckets)", "off", or "failed" (prefill then runs eagerly, several times slower
-    on a small target)."""
+    on a small target), and how it writes segments: "threads", "process", or "process stopped"
+    (the writer process died and the server's threads took over)."""
     flags: dict[str, Any] = {}
     graphs = info.get("prefill_cuda_graphs")
     if isinstance(graphs, dict):  # first: the pane clips the line, and this one changes the speed most
@@ -80,6 +81,10 @@ def server_flags(info: dict[str, Any]) -> dict[str, Any]:
             flags["prefill_graphs"] = f"on ({len(graphs.get('buckets') or [])} buckets)"
         else:
             flags["prefill_graphs"] = "off"
+    writer = (info.get("capture") or {}).get("writer") if isinstance(info.get("capture"), dict) else None
+    if isinstance(writer, str):  # the local server's segment writers: "threads", "process", or a fallback
+        mode = writer.split(" ", 1)[0]
+        flags["capture_writer"] = "process stopped" if mode == "threads" and "process" in writer else mode
     flags.update((k, info.get(k)) for k in FLAG_KEYS if k in info)
     return flags
 

@@ -1,0 +1,209 @@
+"""The capture writer process (engine/capture/spool_process.py): a real child process, real shared
+memory, real segment files, real signals; and the local server falling back to its own writer
+threads when that child is killed under it."""
+
+from __future__ import annotations
+
+from conftest import stop_process, wait_healthy
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors import safe_open
+
+from engine.capture.segments import assemble, write_segment
+from engine.capture.spool_process import SpoolProcessError, SpoolWriterProcess, shm_room_problem
+from engine.client import ServerClient
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = [1, 2, 3]
+
+
+def _batch(rows: int, width: int, hidden: int, dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (rows, width), generator=generator)
+    aux = torch.randn(rows, width, 3 * hidden, generator=generator).to(dtype)
+    final = torch.randn(rows, width, hidden, generator=generator).to(dtype)
+    return ids, aux, final
+
+
+def _contents(path: Path) -> tuple[dict, dict]:
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {key: handle.get_tensor(key).view(torch.uint8).flatten().tolist() for key in handle.keys()}
+        return handle.metadata(), tensors
+
+
+class _Replies:
+    def __init__(self) -> None:
+        self.got: list[list[str | None]] = []
+        self.event = threading.Event()
+
+    def __call__(self, errors: list[str | None]) -> None:
+        self.got.append(errors)
+        self.event.set()
+
+    def wait(self, timeout: float = 30) -> list[str | None]:
+        assert self.event.wait(timeout), "no reply from the writer process"
+        self.event.clear()
+        return self.got[-1]
+
+
+@pytest.fixture()
+def writer(tmp_path):
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=1 << 20, slots=2, threads=2)
+    process.start()
+    yield process
+    process.close(timeout=10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_batch_becomes_the_same_files_as_the_in_process_writer(writer, tmp_path, dtype):
+    """Rows of different lengths, each cut to its own length; the files hold the same tensors and
+    metadata as what `write_segment` writes in-process (safetensors orders header keys by a hash,
+    so the bytes themselves may differ), and a bad request id fails only its own row."""
+    ids, aux, final = _batch(4, 12, 16, dtype)
+    lengths, rids = [12, 5, 1, 7], ["row-a", "row-b", "../escape", "row-d"]
+    replies = _Replies()
+    writer.submit(rids, lengths, ids, aux, final, replies)
+    errors = replies.wait()
+    assert errors[0] is None and errors[1] is None and errors[3] is None
+    assert errors[2] is not None and "invalid request id '../escape'" in errors[2]
+    assert not (tmp_path / "escape").exists()
+    reference = tmp_path / "reference"
+    for i in (0, 1, 3):
+        n = lengths[i]
+        capture = assemble(writer.spool_dir, rids[i], expected_len=n, expected_input_ids=ids[i, :n].tolist())
+        assert torch.equal(capture.aux_hidden_state, aux[i, :n]) and torch.equal(capture.hidden_state, final[i, :n])
+        expected = write_segment(reference, rids[i], 0, ids[i, :n], aux[i, :n], final[i, :n], LAYERS)
+        written = writer.spool_dir / rids[i] / expected.name
+        assert _contents(written) == _contents(expected)
+
+
+def test_nothing_is_left_in_dev_shm_and_close_is_clean(tmp_path):
+    before = set(os.listdir("/dev/shm"))
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=1 << 20, slots=2, threads=1)
+    process.start()
+    assert process.alive and set(os.listdir("/dev/shm")) == before, "the name is dropped once both sides map it"
+    replies = _Replies()
+    ids, aux, final = _batch(2, 4, 8, torch.float32)
+    process.submit(["a", "b"], [4, 3], ids, aux, final, replies)
+    assert replies.wait() == [None, None]
+    pid = process.pid
+    process.close(timeout=10)
+    assert not process.alive and process.failure is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(SpoolProcessError, match="not running"):
+        process.submit(["c"], [4], ids[:1], aux[:1], final[:1], replies)
+
+
+def test_a_killed_writer_fails_the_batches_it_held_and_refuses_more(writer):
+    """SIGSTOP holds a batch in the child, SIGKILL loses it: its rows are answered with an error
+    naming the exit code (nothing hangs), the failure callback is not needed for that, and the
+    next submit raises instead of waiting for a slot forever."""
+    ids, aux, final = _batch(3, 6, 8, torch.bfloat16)
+    os.kill(writer.pid, signal.SIGSTOP)
+    replies = _Replies()
+    writer.submit(["x0", "x1", "x2"], [6, 6, 2], ids, aux, final, replies)
+    os.kill(writer.pid, signal.SIGKILL)
+    errors = replies.wait()
+    assert len(errors) == 3 and all("exited (code -9)" in e and "1 batch(es) unwritten" in e for e in errors), errors
+    assert not writer.alive and "code -9" in writer.failure
+    with pytest.raises(SpoolProcessError, match="exited"):
+        writer.submit(["y"], [6], ids[:1], aux[:1], final[:1], replies)
+
+
+def test_submit_waits_for_a_free_slot(tmp_path):
+    """Backpressure: with every slot in the (stopped) child's hands, submit blocks; it goes on as
+    soon as the child answers."""
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=1 << 20, slots=1, threads=1)
+    process.start()
+    try:
+        ids, aux, final = _batch(1, 4, 8, torch.float32)
+        first, second = _Replies(), _Replies()
+        os.kill(process.pid, signal.SIGSTOP)
+        process.submit(["one"], [4], ids, aux, final, first)
+        blocked = threading.Thread(target=process.submit, args=(["two"], [4], ids, aux, final, second))
+        blocked.start()
+        blocked.join(1.0)
+        assert blocked.is_alive(), "the second batch must wait: the only slot is taken"
+        os.kill(process.pid, signal.SIGCONT)
+        blocked.join(30)
+        assert not blocked.is_alive() and first.wait() == [None] and second.wait() == [None]
+    finally:
+        process.close(timeout=10)
+
+
+def test_a_batch_larger_than_a_slot_is_refused_without_touching_the_child(writer):
+    ids, aux, final = _batch(4, 512, 64, torch.float32)  # ~2.6 MB, slots are 1 MiB
+    assert not writer.fits(ids, aux, final)
+    with pytest.raises(ValueError, match="larger than a shared-memory slot"):
+        writer.submit(["big"] * 4, [512] * 4, ids, aux, final, _Replies())
+    assert writer.alive
+
+
+def test_too_little_shared_memory_is_refused_before_anything_starts(tmp_path):
+    stats = os.statvfs("/dev/shm")
+    too_much = stats.f_bavail * stats.f_frsize + (1 << 30)
+    problem = shm_room_problem(too_much)
+    assert problem is not None and "MiB free" in problem and "--shm-size" in problem
+    assert shm_room_problem(1 << 20) is None
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=too_much, slots=1)
+    with pytest.raises(SpoolProcessError, match="MiB free"):
+        process.start()
+    assert process.pid is None and not process.alive
+
+
+def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model_dir, tmp_path):
+    """A real local server with EAGLE3_CAPTURE_WRITER=process: /server_info names the child; after
+    SIGKILL to it the server says so (log and /server_info) and its own threads write the
+    segments of later requests, which match the ones written before."""
+    spool, log = tmp_path / "spool", tmp_path / "server.log"
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [sys.executable, "-m", "engine.localserver", "--model-path", str(tiny_model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", "--dtype", "float32", "--capture-layers", "0,1,2",
+            "--spool-dir", str(spool)]
+    with open(log, "wb") as handle:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
+                                env={**os.environ, "EAGLE3_CAPTURE_WRITER": "process"})
+    url = f"http://127.0.0.1:{port}"
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+
+    async def capture(rids):
+        async with ServerClient(url, timeout=30) as client:
+            await asyncio.gather(*(client.generate(input_ids=prompt, max_new_tokens=0, rid=r) for r in rids))
+
+    try:
+        wait_healthy(proc, url, log)
+        writer = httpx.get(f"{url}/server_info", timeout=10).json()["capture"]["writer"]
+        assert writer.startswith("process (pid "), writer
+        child = int(writer.removeprefix("process (pid ").rstrip(")"))
+        asyncio.run(capture(["before-0", "before-1"]))
+        os.kill(child, signal.SIGKILL)
+        deadline = time.time() + 30
+        while "exited" not in (writer := httpx.get(f"{url}/server_info", timeout=10).json()["capture"]["writer"]):
+            assert time.time() < deadline, writer
+            time.sleep(0.1)
+        assert writer.startswith("threads (4); the capture writer process exited (code -9)"), writer
+        asyncio.run(capture(["after-0", "after-1", "after-2"]))
+        before = assemble(spool, "before-0", expected_len=len(prompt), expected_input_ids=prompt)
+        for rid in ("after-0", "after-1", "after-2"):
+            after = assemble(spool, rid, expected_len=len(prompt), expected_input_ids=prompt)
+            assert torch.equal(after.aux_hidden_state, before.aux_hidden_state)
+            assert torch.equal(after.hidden_state, before.hidden_state)
+    finally:
+        stop_process(proc)
+    assert "threads write the segments from now on" in log.read_text()
