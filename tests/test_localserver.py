@@ -387,13 +387,17 @@ async def test_client_reports_unreachable_server():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU box)")
+@pytest.mark.parametrize("writer", ["threads", "process"], ids=["writer-threads", "writer-process"])
 @pytest.mark.parametrize("graph_tokens", ["8192", "0"], ids=["cuda-graphs", "eager"])
-def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path, tmp_path: Path, graph_tokens: str):
+def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path, tmp_path: Path, graph_tokens: str,
+                                                            writer: str):
     """On CUDA the states reach the host through pinned buffers on a side stream: each captured row
     must equal the in-process forward, and uncaptured neighbours must leave no segment. The uncaptured
     prefill-only rows are answered by the prefill waiter once the GPU has run their forward. Both with
     the prefill-only batch replayed from a CUDA graph (the default) and eagerly
-    (EAGLE3_PREFILL_GRAPH_TOKENS=0); /server_info says which ran."""
+    (EAGLE3_PREFILL_GRAPH_TOKENS=0); /server_info says which ran. And with the segments written by the
+    server's threads or by the writer process (EAGLE3_CAPTURE_WRITER), which copies the pinned host
+    states into shared memory once the batch's copy event has fired."""
     import os
 
     from transformers import AutoModelForCausalLM
@@ -405,7 +409,8 @@ def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path
             "--spool-dir", str(spool)]
     with open(log, "wb") as handle:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
-                                env={**os.environ, "EAGLE3_PREFILL_GRAPH_TOKENS": graph_tokens})
+                                env={**os.environ, "EAGLE3_PREFILL_GRAPH_TOKENS": graph_tokens,
+                                     "EAGLE3_CAPTURE_WRITER": writer})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)
@@ -435,7 +440,9 @@ def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path
             torch.testing.assert_close(capture.aux_hidden_state.float(), aux_ref.float(), atol=5e-2, rtol=5e-2)
             torch.testing.assert_close(capture.hidden_state.float(), final.cpu().float(), atol=5e-2, rtol=5e-2)
         assert sorted(p.name for p in spool.iterdir()) == sorted(r for r in rids if r is not None)
-        graphs = httpx.get(url + "/server_info", timeout=10).json()["prefill_cuda_graphs"]
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        assert info["capture"]["writer"].startswith("process (pid " if writer == "process" else "threads (4)")
+        graphs = info["prefill_cuda_graphs"]
         if graph_tokens == "0":
             assert graphs["enabled"] is False and graphs["buckets"] == []
         else:
