@@ -37,5 +37,9 @@ def test_capture_writer_in_one_word_and_its_fallback_as_a_warning():
     info["capture"]["writer"] = "threads (4); the capture writer process exited (code -9) with 0 batch(es) unwritten"
     assert server_flags(info) == {"capture_writer": "process stopped"}
     assert "[$warning]writer process stopped (threads)[/]" in flags_text(server_flags(info), 120)
+    info.update(disable_radix_cache=True, tp_size=1)
+    assert list(server_flags(info)) == ["capture_writer", "disable_radix_cache", "tp_size"]  # the warning first
+    info["capture"]["writer"] = "threads (4)"
+    assert list(server_flags(info)) == ["disable_radix_cache", "tp_size", "capture_writer"]  # else last
     assert "capture_writer" not in server_flags({"capture": {"enabled": False, "writer": None}})
     assert "capture_writer" not in server_flags({"capture": "unexpected"})

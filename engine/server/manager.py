@@ -81,11 +81,14 @@ def server_flags(info: dict[str, Any]) -> dict[str, Any]:
             flags["prefill_graphs"] = f"on ({len(graphs.get('buckets') or [])} buckets)"
         else:
             flags["prefill_graphs"] = "off"
-    writer = (info.get("capture") or {}).get("writer") if isinstance(info.get("capture"), dict) else None
+    flags.update((k, info.get(k)) for k in FLAG_KEYS if k in info)
+    writer = info["capture"].get("writer") if isinstance(info.get("capture"), dict) else None
     if isinstance(writer, str):  # the local server's segment writers: "threads", "process", or a fallback
         mode = writer.split(" ", 1)[0]
-        flags["capture_writer"] = "process stopped" if mode == "threads" and "process" in writer else mode
-    flags.update((k, info.get(k)) for k in FLAG_KEYS if k in info)
+        if mode == "threads" and "process" in writer:  # a warning: first, before the pane clips the line
+            flags = {"capture_writer": "process stopped", **flags}
+        else:
+            flags["capture_writer"] = mode
     return flags
 
 
