@@ -186,8 +186,8 @@ def capture_writer_mode() -> str:
     return "threads"
 
 
-# Tokens one shared-memory slot holds: the prefill graphs' largest bucket (prefill_graphs.py);
-# larger (eager) batches are written by the in-process threads.
+# Tokens one shared-memory slot holds when no prefill graphs set the size (CPU, graphs off); with
+# graphs, their largest bucket. Larger (eager) batches are written by the in-process threads.
 SPOOL_SLOT_TOKENS = 8192
 
 
@@ -503,8 +503,10 @@ class ModelRunner:
         assert self.capture is not None
         element = self.model.dtype.itemsize if self.model is not None else torch.float32.itemsize
         per_token = (len(self.capture.layers) + 1) * self.hidden_size * element + 8  # + the int64 id
+        graphs = self.prefill_graphs
+        tokens = graphs.max_tokens if graphs is not None and graphs.enabled else SPOOL_SLOT_TOKENS
         writer = SpoolWriterProcess(self.capture.spool_dir, self.capture.layers,
-                                    slot_bytes=SPOOL_SLOT_TOKENS * per_token + 64, threads=self.capture_writers,
+                                    slot_bytes=tokens * per_token + 64, threads=self.capture_writers,
                                     on_failure=lambda reason: print(f"capture: {reason}; threads write the "
                                                                     "segments from now on", file=sys.stderr))
         try:
