@@ -445,10 +445,13 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     save_results(out, results)
     import httpx
 
-    # Whether the prefill-only batches replayed CUDA graphs (and which buckets), as the server says.
-    results["prefill_cuda_graphs"] = httpx.get(manager.record()["url"] + "/server_info", timeout=30).json().get(
-        "prefill_cuda_graphs")
-    log(f"server prefill CUDA graphs: {results['prefill_cuda_graphs']}")
+    # Whether the prefill-only batches replayed CUDA graphs (and which buckets), and who wrote the
+    # segments (EAGLE3_CAPTURE_WRITER: the server's threads or its writer process), as the server says.
+    info = httpx.get(manager.record()["url"] + "/server_info", timeout=30).json()
+    results["prefill_cuda_graphs"] = info.get("prefill_cuda_graphs")
+    results["capture_writer"] = (info.get("capture") or {}).get("writer")
+    log(f"server prefill CUDA graphs: {results['prefill_cuda_graphs']}; segments written by "
+        f"{results['capture_writer']}")
     save_results(out, results)
 
     jobs = JobManager(ws.jobs_dir)

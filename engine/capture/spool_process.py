@@ -66,9 +66,9 @@ def shm_room_problem(nbytes: int, directory: str = SHM_DIR) -> str | None:
     return None
 
 
-def _padded(nbytes: int) -> int:
-    """Block sizes rounded up to 16 bytes, so every block starts aligned for any dtype."""
-    return nbytes + (-nbytes % 16)
+def _padded(nbytes: int, alignment: int = 16) -> int:
+    """Sizes rounded up to `alignment` bytes, so every block starts aligned for any dtype."""
+    return nbytes + (-nbytes % alignment)
 
 
 def _view(arena: torch.Tensor, base: int, block: _Block) -> torch.Tensor:
@@ -91,7 +91,7 @@ class SpoolWriterProcess:
             raise ValueError("slot_bytes, slots and threads must be positive")
         self.spool_dir = Path(spool_dir)
         self.layers = [int(layer) for layer in layers]
-        self.slot_bytes = int(slot_bytes)
+        self.slot_bytes = _padded(int(slot_bytes), 64)  # every slot starts aligned
         self.slots = int(slots)
         self.threads = int(threads)
         self._on_failure = on_failure
@@ -138,7 +138,9 @@ class SpoolWriterProcess:
             self.close(timeout=5)
             if isinstance(exc, SpoolProcessError):
                 raise
-            raise SpoolProcessError(f"cannot start the capture writer process: {exc}") from None
+            code = self._process.exitcode if self._process is not None else None
+            detail = str(exc) or f"it exited with code {code} before it was ready (its traceback is above)"
+            raise SpoolProcessError(f"cannot start the capture writer process: {detail}") from None
         for slot in range(self.slots):
             self._free.put(slot)
         self._reader = threading.Thread(target=self._read_replies, name="capture-spool-replies", daemon=True)
@@ -146,7 +148,9 @@ class SpoolWriterProcess:
 
     @property
     def alive(self) -> bool:
-        return self._dead is None and self._process is not None and self._process.is_alive()
+        """Started, not closed, and not known dead. No system call: the model thread asks every
+        batch, and the reply thread learns of a death at once (the pipe closes)."""
+        return self._dead is None and self._arena is not None and self._process is not None
 
     @property
     def failure(self) -> str | None:
