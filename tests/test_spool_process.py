@@ -4,7 +4,7 @@ threads when that child is killed under it."""
 
 from __future__ import annotations
 
-from conftest import stop_process, wait_healthy
+from conftest import free_port, stop_process, wait_healthy
 
 import asyncio
 import os
@@ -168,11 +168,7 @@ def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model
     SIGKILL to it the server says so (log and /server_info) and its own threads write the
     segments of later requests, which match the ones written before."""
     spool, log = tmp_path / "spool", tmp_path / "server.log"
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, "-m", "engine.localserver", "--model-path", str(tiny_model_dir), "--host", "127.0.0.1",
             "--port", str(port), "--device", "cpu", "--dtype", "float32", "--capture-layers", "0,1,2",
             "--spool-dir", str(spool)]

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from engine.errors import one_line
+
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
 DEFAULT_SLOTS = 3  # one being filled, one being written, one spare
 
@@ -278,8 +280,7 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
         try:
             write_segment(spool_dir, rid, 0, ids[:n], aux[:n], final[:n], layers)
         except Exception as exc:  # reported per row: one bad request must not fail its batch
-            text = str(exc).strip().splitlines()
-            return f"capture write failed: {type(exc).__name__}: {text[0] if text else ''}"
+            return f"capture write failed: {one_line(exc)}"
         return None
 
     def write_batch(batch_id: int, base: int, rids: list[str], lengths: list[int], blocks: list[_Block]) -> None:

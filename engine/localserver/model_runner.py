@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.errors import one_line
+
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 
 
@@ -205,11 +207,6 @@ def check_model_dir(model_path: Path) -> None:
         raise ModelLoadError(f"config.json is unreadable: {exc}") from None
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -263,7 +260,7 @@ class ModelRunner:
         try:
             config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         except Exception as exc:
-            raise ModelLoadError(f"config.json cannot be loaded: {_one_line(exc)}") from None
+            raise ModelLoadError(f"config.json cannot be loaded: {one_line(exc)}") from None
         dtype = self._resolve_dtype(torch)
         major_minor = tuple(int(p) for p in transformers.__version__.split(".")[:2])
         dtype_kw = "dtype" if major_minor >= (4, 56) else "torch_dtype"
@@ -272,7 +269,7 @@ class ModelRunner:
                 self.model_path, local_files_only=True, **{dtype_kw: dtype}
             )
         except Exception as exc:
-            raise ModelLoadError(f"cannot load the model ({_one_line(exc)})") from None
+            raise ModelLoadError(f"cannot load the model ({one_line(exc)})") from None
         if self.device == "cpu" and model.dtype == torch.float16:
             model = model.float()  # fp16 kernels are poor or missing on CPU
         self.model = model.to(self.device).eval()
@@ -451,7 +448,7 @@ class ModelRunner:
                 done.synchronize()
             except Exception as exc:  # a failed forward surfaces here on CUDA
                 for completion, _ in finished:
-                    completion.finish_generation(error=f"generation failed: {_one_line(exc)}")
+                    completion.finish_generation(error=f"generation failed: {one_line(exc)}")
             else:
                 for completion, finish in finished:
                     completion.finish_generation(finish=finish)
@@ -463,7 +460,7 @@ class ModelRunner:
             self._run_group(group, completions)
         except Exception as exc:  # one bad batch must not kill the server
             traceback.print_exc(file=sys.stderr)
-            message = f"generation failed: {_one_line(exc)}"
+            message = f"generation failed: {one_line(exc)}"
             for completion in completions:
                 completion.abort(message)
         finally:
@@ -490,7 +487,7 @@ class ModelRunner:
                 copied.synchronize()
             write_segment(self.capture.spool_dir, completion.request.rid, 0, ids, aux, final, self.capture.layers)
         except Exception as exc:
-            completion.finish_capture(error=f"capture write failed: {_one_line(exc)}")
+            completion.finish_capture(error=f"capture write failed: {one_line(exc)}")
         else:
             completion.finish_capture()
 
@@ -552,7 +549,7 @@ class ModelRunner:
             except SpoolProcessError:
                 pass  # the child is gone (on_failure said so): this thread writes the batch
             except Exception as exc:  # the batch's forward or copies failed on the device
-                answer([f"capture write failed: {_one_line(exc)}"] * len(batch))
+                answer([f"capture write failed: {one_line(exc)}"] * len(batch))
                 continue
             # Later batches go to the writer threads (`_queue_batch_captures` sees the child dead).
             for i, (completion, n) in enumerate(batch):

@@ -121,10 +121,10 @@ class PrefillGraphs:
             try:
                 entry = self._capture(shape)
             except Exception as exc:  # an op this model or transformers version cannot capture
-                from engine.localserver.model_runner import _one_line
+                from engine.errors import one_line
 
                 self.enabled = False
-                self.failure = _one_line(exc)
+                self.failure = one_line(exc)
                 print(f"prefill CUDA graphs off, running eagerly: capture of bucket {shape} failed ({self.failure})",
                       file=sys.stderr)
                 self.set_hooks(False)
