@@ -109,6 +109,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def local_server_argv(model_dir: Path, port: int, *extra: str, device: str = "cpu",
+                      dtype: str = "float32") -> list[str]:
+    """The local target server's command line on 127.0.0.1 (for tests that start it as a process)."""
+    import sys
+
+    return [sys.executable, "-m", "engine.localserver", "--model-path", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--device", device, "--dtype", dtype, *extra]
+
+
 def make_workspace(root: Path, model_dir: Path, **changes):
     """A real workspace on `model_dir` with a free port, CPU device and a private spool."""
     from engine.config import set_value

@@ -6,13 +6,12 @@ loaded in-process as the reference for tokens and hidden states.
 
 from __future__ import annotations
 
-from conftest import stop_process, wait_healthy
+from conftest import free_port, local_server_argv, stop_process, wait_healthy
 
 import asyncio
 import http.server
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -38,17 +37,6 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def server_argv(model_dir: Path, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "engine.localserver", "--model-path", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--device", "cpu", "--dtype", "float32", *extra]
-
-
 class RunningServer:
     def __init__(self, proc: subprocess.Popen, url: str, spool: Path, log: Path) -> None:
         self.proc, self.url, self.spool, self.log = proc, url, spool, log
@@ -66,7 +54,7 @@ def server(request, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     work = tmp_path_factory.mktemp("localserver")
     spool, log = work / "spool", work / "server.log"
     port = free_port()
-    argv = server_argv(tiny_model_dir, port, "--capture-layers", "0,1,2", "--spool-dir", str(spool),
+    argv = local_server_argv(tiny_model_dir, port, "--capture-layers", "0,1,2", "--spool-dir", str(spool),
                        "--api-key", API_KEY, "--log-level", "info")
     with open(log, "wb") as log_handle:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log_handle, stderr=subprocess.STDOUT,
@@ -305,7 +293,7 @@ async def test_api_key_enforced_and_never_logged(server):
 def test_bad_model_path_fails_fast(tmp_path):
     missing = tmp_path / "no-such-model"
     started = time.monotonic()
-    proc = subprocess.run(server_argv(missing, free_port()), cwd=REPO, capture_output=True, text=True, timeout=15)
+    proc = subprocess.run(local_server_argv(missing, free_port()), cwd=REPO, capture_output=True, text=True, timeout=15)
     assert time.monotonic() - started < 15
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"model path {missing}: does not exist"]
@@ -316,14 +304,14 @@ def test_busy_port_fails_fast(tiny_model_dir):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run(server_argv(tiny_model_dir, port), cwd=REPO, capture_output=True, text=True,
+        proc = subprocess.run(local_server_argv(tiny_model_dir, port), cwd=REPO, capture_output=True, text=True,
                               timeout=15)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"port {port} on 127.0.0.1 is in use"]
 
 
 def test_bad_capture_layers_fail_fast(tiny_model_dir, tmp_path):
-    argv = server_argv(tiny_model_dir, free_port(), "--capture-layers", "1,2,3", "--spool-dir", str(tmp_path))
+    argv = local_server_argv(tiny_model_dir, free_port(), "--capture-layers", "1,2,3", "--spool-dir", str(tmp_path))
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=15)
     assert proc.returncode == 2
     assert "capture layer 3 is out of range" in proc.stderr and "valid range is 0..2" in proc.stderr
@@ -404,9 +392,8 @@ def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path
 
     spool, log = tmp_path / "spool", tmp_path / "server.log"
     port = free_port()
-    argv = [sys.executable, "-m", "engine.localserver", "--model-path", str(tiny_model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--device", "cuda", "--dtype", "bfloat16", "--capture-layers", "0,1,2",
-            "--spool-dir", str(spool)]
+    argv = local_server_argv(tiny_model_dir, port, "--capture-layers", "0,1,2", "--spool-dir", str(spool),
+                             device="cuda", dtype="bfloat16")
     with open(log, "wb") as handle:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
                                 env={**os.environ, "EAGLE3_PREFILL_GRAPH_TOKENS": graph_tokens,

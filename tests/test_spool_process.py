@@ -4,13 +4,12 @@ threads when that child is killed under it."""
 
 from __future__ import annotations
 
-from conftest import free_port, stop_process, wait_healthy
+from conftest import free_port, local_server_argv, stop_process, wait_healthy
 
 import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -169,9 +168,7 @@ def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model
     segments of later requests, which match the ones written before."""
     spool, log = tmp_path / "spool", tmp_path / "server.log"
     port = free_port()
-    argv = [sys.executable, "-m", "engine.localserver", "--model-path", str(tiny_model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--device", "cpu", "--dtype", "float32", "--capture-layers", "0,1,2",
-            "--spool-dir", str(spool)]
+    argv = local_server_argv(tiny_model_dir, port, "--capture-layers", "0,1,2", "--spool-dir", str(spool))
     with open(log, "wb") as handle:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
                                 env={**os.environ, "EAGLE3_CAPTURE_WRITER": "process"})
