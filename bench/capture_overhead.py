@@ -295,8 +295,9 @@ def main() -> int:  # noqa: C901 - a linear script
     args = parser.parse_args()
     if args.ablate and (args.profile_server or args.probe_server):
         parser.error("--ablate wraps the server itself: run it without --profile-server/--probe-server")
-    process_writer = (args.writer or os.environ.get("EAGLE3_CAPTURE_WRITER", "").strip().lower()) == "process"
-    if args.ablate == "skip-write" and process_writer:
+    from engine.localserver.model_runner import capture_writer_mode
+
+    if args.ablate == "skip-write" and (args.writer or capture_writer_mode()) == "process":
         parser.error("--ablate skip-write patches the server's writer threads; the writer process would still "
                      "write: use it with --writer threads")
     if args.clients < 1:

@@ -517,9 +517,9 @@ class ModelRunner:
 
     def writer_description(self) -> str:
         """How captured segments are written, for /server_info."""
+        if (live := self._live_writer_process()) is not None:
+            return f"process (pid {live.pid})"
         writer = self._spool_process
-        if writer is not None and writer.alive:
-            return f"process (pid {writer.pid})"
         note = self.writer_note or (writer.failure if writer is not None else "")
         return f"threads ({self.capture_writers})" + (f"; {note}" if note else "")
 
@@ -639,15 +639,22 @@ class ModelRunner:
             tensor.record_stream(self._copy_stream)
         return self._copy_stream
 
+    def _live_writer_process(self) -> Any:
+        """The writer process if it takes batches now, else None (threads write)."""
+        writer = self._spool_process
+        return writer if writer is not None and writer.alive else None
+
     def _queue_batch_captures(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
-        """The graph path's captures: one pinned buffer and one copy per batch for each of the aux
-        and final states, the rows handed to the writers as views of it.
+        """The graph path's captures, and every batch's while the writer process runs: one pinned
+        buffer and one copy per batch for each of the aux and final states, handed to the writer
+        process whole or to the writer threads as per-row views.
 
         A small target replays its prefill in one launch, so the per-row work of `_queue_captures`
         (two pinned buffers, two copies and four slices a row, each torch call a GIL hand-off the
         model thread waits to get back while the HTTP loop and the writers are busy) becomes most
         of its host time. Graph buckets have fixed shapes, so the host allocator's cached blocks
-        fit every batch again; eager batches (large targets) keep the per-row copies."""
+        fit every batch again; eager batches (large targets) written by threads keep the per-row
+        copies."""
         import torch
 
         assert self.capture is not None
@@ -667,13 +674,14 @@ class ModelRunner:
         else:  # CPU (tests): the new tensors are the host buffers
             aux, final, copied = aux_states, final_states, None
         del aux_states, final_states
-        writer = self._spool_process
-        ids = host_ids[rows, :width] if writer is not None else None
-        if writer is not None and writer.alive and writer.fits(ids, aux, final):
-            for row in rows:
-                completions[row].capture_queued = True
-            self._batch_queue.put(([(completions[row], lengths[row]) for row in rows], ids, aux, final, copied))
-            return
+        writer = self._live_writer_process()
+        if writer is not None:
+            ids = host_ids[rows, :width]
+            if writer.fits(ids, aux, final):
+                for row in rows:
+                    completions[row].capture_queued = True
+                self._batch_queue.put(([(completions[row], lengths[row]) for row in rows], ids, aux, final, copied))
+                return
         for i, row in enumerate(rows):
             n = lengths[row]
             completions[row].capture_queued = True
@@ -684,7 +692,7 @@ class ModelRunner:
         import torch
 
         assert self.capture is not None
-        if self._spool_process is not None and self._spool_process.alive:
+        if self._live_writer_process() is not None:
             # The writer process takes whole batches: one host copy a batch, as on the graph path.
             self._queue_batch_captures(completions, rows, lengths, host_ids, states)
             return
