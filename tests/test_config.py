@@ -139,3 +139,149 @@ def test_cli_reports_bad_config_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "server.prot" in proc.stderr and "did you mean 'port'?" in proc.stderr
+
+
+# ---- every number finite and in range (issue 20, item 3) -------------------------------------
+
+import math  # noqa: E402
+import typing  # noqa: E402
+
+from engine.config import SECTIONS  # noqa: E402
+
+
+def _numeric_keys() -> list[tuple[str, type]]:
+    keys = []
+    for section, cls in SECTIONS.items():
+        for name, tp in typing.get_type_hints(cls).items():
+            if tp in (int, float) and name in cls.__dataclass_fields__:
+                keys.append((f"{section}.{name}", tp))
+    return keys
+
+
+NUMERIC_KEYS = _numeric_keys()
+# (TOML literal, what the error must show of it); every numeric key is non-negative.
+BAD_NUMBERS = {
+    "nan": ("nan", "nan"),
+    "+inf": ("inf", "inf"),
+    "-inf": ("-inf", "-inf"),
+    "huge": (None, None),  # per type: 1e300 for a float, 10**18 for an integer
+    "negative": ("-1", "-1"),
+}
+
+
+def _toml(dotted: str, literal: str) -> str:
+    section, _, key = dotted.partition(".")
+    return f"[{section}]\n{key} = {literal}\n"
+
+
+def test_numeric_keys_are_found():
+    keys = dict(NUMERIC_KEYS)
+    assert len(keys) > 30
+    assert keys["train.learning_rate"] is float and keys["extract.disk_reserve_gb"] is float
+    assert keys["server.port"] is int and keys["train.seed"] is int
+
+
+@pytest.mark.parametrize("kind", list(BAD_NUMBERS))
+@pytest.mark.parametrize("dotted, tp", NUMERIC_KEYS, ids=[k for k, _ in NUMERIC_KEYS])
+def test_every_numeric_key_rejects_non_finite_huge_and_negative(dotted, tp, kind):
+    literal, shown = BAD_NUMBERS[kind]
+    if kind == "huge":
+        literal, shown = ("1e300", "1e+300") if tp is float else (str(10**18), str(10**18))
+    with pytest.raises(ConfigError) as info:
+        parse_config(_toml(dotted, literal), "ws/console.toml")
+    err = info.value
+    message = str(err)
+    assert err.key == dotted, message
+    assert f"(got {shown})" in message, message  # the bad value, as read
+    assert "ws/console.toml" in message and "Fix:" in message
+    assert any(ch.isdigit() for ch in err.fix), f"the fix should name the valid range: {message}"
+
+
+@pytest.mark.parametrize("dotted, tp", NUMERIC_KEYS, ids=[k for k, _ in NUMERIC_KEYS])
+def test_set_value_rejects_non_finite_numbers(dotted, tp):
+    """The console and the tests change keys through set_value: the same rules as the file."""
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ConfigError) as info:
+            set_value(Config(), dotted, bad)
+        assert info.value.key == dotted
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[train]\nlearning_rate = nan\n", "train.learning_rate"),
+    ("[train]\nlearning_rate = inf\n", "train.learning_rate"),
+    ("[train]\ngrad_clip = nan\n", "train.grad_clip"),
+    ("[extract]\ndisk_reserve_gb = nan\n", "extract.disk_reserve_gb"),
+    ("[extract]\ndisk_reserve_gb = inf\n", "extract.disk_reserve_gb"),
+])
+def test_issue_20_non_finite_values_are_refused(text, key):
+    """The values found accepted by issue 20 (NaN lr died in the job; NaN reserve was a traceback)."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    assert info.value.key == key
+    assert "finite" in info.value.problem
+
+
+def test_every_key_is_declared_once_with_help_and_a_default_in_range():
+    from engine.config import SETTINGS  # the one table: type, default, bounds, choices, help
+
+    fields = {f"{s}.{f}" for s, cls in SECTIONS.items() for f in cls.__dataclass_fields__}
+    assert set(SETTINGS) == fields
+    defaults = Config()
+    for dotted, spec in SETTINGS.items():
+        assert spec.help, f"{dotted} has no help text"
+        section, _, key = dotted.partition(".")
+        value = getattr(getattr(defaults, section), key)
+        if spec.type in (int, float):
+            assert spec.low is not None and spec.high is not None, f"{dotted} needs both bounds"
+            assert spec.low <= value <= spec.high, dotted
+        if spec.choices:
+            assert value in spec.choices, dotted
+    parse_config(render_config(defaults))  # the defaults themselves validate
+
+
+@pytest.mark.parametrize("dotted, tp", NUMERIC_KEYS, ids=[k for k, _ in NUMERIC_KEYS])
+def test_bounds_themselves_are_accepted(dotted, tp):
+    from engine.config import SETTINGS
+
+    spec = SETTINGS[dotted]
+    for edge in (spec.low, spec.high):
+        value = tp(edge)
+        config = set_value(Config(), dotted, value)
+        section, _, key = dotted.partition(".")
+        assert getattr(getattr(config, section), key) == value
+
+
+def test_written_console_toml_documents_every_key(tmp_path):
+    """Help comes from the same declaration as validation: every key line carries its help,
+    and a numeric key's help names its range."""
+    from engine.workspace import init_workspace
+
+    ws = init_workspace(tmp_path / "ws")
+    text = ws.config_path.read_text()
+    lines = [line for line in text.splitlines() if line and not line.startswith(("#", "["))]
+    assert lines
+    undocumented = [line for line in lines if "  # " not in line]
+    assert not undocumented, undocumented
+    reserve = next(line for line in lines if line.startswith("disk_reserve_gb ="))
+    assert "extraction pauses" in reserve and "0 to" in reserve
+    assert parse_config(text) == ws.config
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("argv", [["check", "disk"], ["status"], []], ids=["check", "status", "console"])
+def test_cli_non_finite_reserve_is_one_clear_line(tmp_path, argv, value):
+    """issue 20: `disk_reserve_gb = nan|inf` was a raw traceback from check, status and the console."""
+    from engine.workspace import init_workspace
+
+    ws = init_workspace(tmp_path / "ws")
+    text = ws.config_path.read_text()
+    lines = [f"disk_reserve_gb = {value}" if line.startswith("disk_reserve_gb =") else line
+             for line in text.splitlines()]
+    ws.config_path.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "eagle3_console", "-w", str(ws.root), *argv],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1, proc.stderr
+    assert "extract.disk_reserve_gb" in err[0] and f"(got {value})" in err[0] and "Fix:" in err[0]

@@ -1,6 +1,8 @@
 """Property-based tests (hypothesis): bad input gets a valid result or a clear error, nothing else.
 
 - the config parser: any TOML text -> Config or ConfigError (and a Config survives a round trip);
+  NaN, +-inf, huge and negative numbers for every numeric key -> a ConfigError naming the key,
+  the value and the fix, or a finite value in range;
 - the dataset parsers (both formats, auto-detection, skip/stop): any file -> samples with safe
   ids and normalised messages, or DatasetError; every non-blank line is a sample or a bad line;
 - the HTTP client against a real HTTP server on 127.0.0.1 replying with generated status codes
@@ -11,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
+import typing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -19,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.client import ServerClient, ServerReplyError
-from engine.config import SECTIONS, Config, ConfigError, parse_config, render_config
+from engine.config import SECTIONS, Config, ConfigError, parse_config, render_config, set_value
 from engine.dataset.formats import DatasetError, iter_samples
 from engine.names import is_safe_name
 
@@ -58,7 +62,53 @@ def test_config_parser_gives_a_config_or_a_config_error(doc):
         assert str(exc) and "Fix:" in str(exc)
         return
     assert isinstance(config, Config)
+    _assert_numbers_finite_and_bounded(config)
     assert parse_config(render_config(config)) == config  # what we write back reads the same
+
+
+# Every numeric key of console.toml, found from the dataclasses (not from the validation table).
+_NUMERIC = [(f"{name}.{key}", tp) for name, cls in SECTIONS.items()
+            for key, tp in typing.get_type_hints(cls).items() if tp in (int, float) and key in cls.__dataclass_fields__]
+_BIGGEST = 2**32  # no setting needs more; every numeric setting is >= 0
+
+
+def _assert_numbers_finite_and_bounded(config: Config) -> None:
+    for dotted, _ in _NUMERIC:
+        section, _, key = dotted.partition(".")
+        value = getattr(getattr(config, section), key)
+        assert math.isfinite(value) and 0 <= value <= _BIGGEST, f"{dotted} = {value!r} accepted"
+
+
+_bad_numbers = st.one_of(
+    st.sampled_from([math.nan, math.inf, -math.inf, -1, -1.0, -1e-9, 1e300, 10**18, 2**63 - 1, -(2**63)]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-(2**63), 2**63 - 1),
+)
+
+
+def _number_literal(value) -> str:
+    if isinstance(value, float):
+        return {"nan": "nan", "inf": "inf", "-inf": "-inf"}.get(repr(value), repr(value))
+    return str(value)
+
+
+@FAST
+@given(key=st.sampled_from(_NUMERIC), value=_bad_numbers)
+def test_every_numeric_key_is_finite_and_in_range_or_a_clear_error(key, value):
+    """NaN, +-inf, huge and negative numbers for every numeric key: a ConfigError naming the key,
+    the value and a fix, or a value that is finite and in range (never a NaN that fails later)."""
+    dotted, _ = key
+    section, _, name = dotted.partition(".")
+    text = f"[{section}]\n{name} = {_number_literal(value)}\n"
+    for attempt in ("file", "set_value"):
+        try:
+            config = parse_config(text, "ws/console.toml") if attempt == "file" else set_value(Config(), dotted, value)
+        except ConfigError as exc:
+            assert exc.key == dotted, str(exc)
+            assert f"(got {value!r})" in str(exc) and "Fix:" in str(exc), str(exc)
+            assert any(ch.isdigit() for ch in exc.fix), str(exc)  # the fix names the valid range
+            continue
+        _assert_numbers_finite_and_bounded(config)
 
 
 @FAST
