@@ -1,8 +1,11 @@
 """Typed workspace configuration (`<ws>/console.toml`).
 
-Every section is a dataclass; parsing walks the dataclass fields so the schema lives in
-one place. User mistakes become a `ConfigError` naming the file, the key, the bad value
-and the fix; an unknown key suggests the nearest valid one.
+Every section is a dataclass and every key is declared once, with `setting(...)`: type,
+default, bounds, choices and help. Parsing, the bounds and choices, and the help comments
+written into console.toml all derive from those declarations (`SETTINGS`). User mistakes
+become a `ConfigError` naming the file, the key, the bad value and the fix; an unknown key
+suggests the nearest valid one. Numbers must be finite (NaN and infinities never pass) and
+within their key's bounds.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -39,110 +43,159 @@ class ConfigError(Exception):
 
 
 # ----------------------------------------------------------------------------- schema
+#
+# Every key is declared once, below, with `setting(...)`: its type (the annotation), default,
+# bounds, choices and help. Validation, the CHOICES/_MINIMUMS/_MAXIMUMS views and the comments
+# written into console.toml (`config_comments`) are all derived from these declarations.
+
+_SETTING = "eagle3_setting"  # dataclass field metadata key
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One console.toml key as declared: what validation and the written help need.
+
+    `low`/`high` are inclusive bounds; a numeric key has both (and non-finite numbers are
+    always refused). `run_name` keys must be plain run names (engine.names.check_name)."""
+
+    help: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+    run_name: bool = False
+    # Filled in by _declared() from the dataclass: "section.key", the field type and its default.
+    key: str = ""
+    type: Any = None
+    default: Any = None
+
+    def range_text(self) -> str:
+        return f"{_num(self.low)} to {_num(self.high)}" if self.low is not None and self.high is not None else ""
+
+    def comment(self) -> str:
+        """The help written beside the key in console.toml."""
+        extra = " | ".join(self.choices) if self.choices else self.range_text()
+        return f"{self.help} ({extra})" if extra else self.help
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, low: float | None = None, high: float | None = None,
+            choices: tuple[str, ...] = (), run_name: bool = False, factory: Any = dataclasses.MISSING) -> Any:
+    """Declare a config key: a dataclass field carrying its Setting (use `factory` for lists)."""
+    meta = {_SETTING: Setting(help=help, low=low, high=high, choices=tuple(choices), run_name=run_name)}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _num(x: float | None) -> str:
+    """A bound as people write it: 65535, 1000000000, 0.1, 1e-12."""
+    if x is None:
+        return ""
+    if isinstance(x, int) or (float(x).is_integer() and abs(x) < 1e16):
+        return str(int(x))
+    return repr(float(x))
+
+
+_BIG = 1_000_000_000  # a generous ceiling for counts and intervals: finite, never reached in practice
+_SEQ = 1 << 24  # tokens: far above any model's context
 
 
 @dataclass
 class ModelConfig:
     """The target model whose drafter we build."""
 
-    path: str = ""  # HF model directory; relative paths are relative to the workspace
-    backend: str = "local"  # local | sglang
-    capture_layers: list[int] = field(default_factory=list)  # 0-indexed outputs; [] = default
-    tp_size: int = 1
-    dp_size: int = 1
-    ep_size: int = 1
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-
-    CHOICES = {"backend": ("local", "sglang"), "dtype": ("auto", "bfloat16", "float16", "float32")}
-    HELP = {
-        "path": "the target model directory (config.json, weights, tokenizer)",
-        "capture_layers": "0-indexed decoder layers whose outputs feed the drafter; [] picks [1, L//2-1, L-4]",
-    }
+    path: str = setting("", help="target model directory (HF format: config.json, weights, tokenizer)")
+    backend: str = setting("local", choices=("local", "sglang"), help="server that runs the target")
+    # Validated in _check_section and validate_against_model (three distinct increasing ids).
+    capture_layers: list[int] = setting(factory=list, help="0-indexed decoder layer outputs fed to the drafter; "
+                                                           "[] = [1, L//2-1, L-4]")
+    tp_size: int = setting(1, low=1, high=1024, help="tensor-parallel GPUs of the sglang server")
+    dp_size: int = setting(1, low=1, high=1024, help="data-parallel replicas of the sglang server")
+    ep_size: int = setting(1, low=1, high=1024, help="expert-parallel size of the sglang server, for MoE models")
+    dtype: str = setting("auto", choices=("auto", "bfloat16", "float16", "float32"),
+                         help="dtype the server loads the weights in")
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    device: str = "auto"  # local backend: auto | cpu | cuda
-    api_key: str = ""
-    attention_backend: str = ""  # sglang: "" = per GPU architecture
-    extra_args: list[str] = field(default_factory=list)
-    startup_timeout_s: float = 600.0
-    restart_on_crash: bool = True
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str = ""
-
-    CHOICES = {"device": ("auto", "cpu", "cuda")}
+    host: str = setting("127.0.0.1", help="keep 127.0.0.1 unless other machines must reach the server")
+    port: int = setting(30000, low=1, high=65535, help="server port")
+    device: str = setting("auto", choices=("auto", "cpu", "cuda"), help="local backend device")
+    api_key: str = setting("", help="sent as a Bearer token; never logged")
+    attention_backend: str = setting("", help="sglang attention backend; \"\" = chosen per GPU architecture")
+    extra_args: list[str] = setting(factory=list, help="extra sglang command-line arguments")
+    startup_timeout_s: float = setting(600.0, low=1, high=86400, help="seconds to wait for the server to be healthy")
+    restart_on_crash: bool = setting(True, help="restart a crashed server (and resume extraction)")
+    nnodes: int = setting(1, low=1, high=1024, help="nodes serving the target with sglang")
+    node_rank: int = setting(0, low=0, high=1023, help="this node's rank, below nnodes")
+    dist_init_addr: str = setting("", help="multi-node rendezvous HOST:PORT (needed when nnodes > 1)")
 
 
 @dataclass
 class GpuConfig:
-    nccl_preset: str = "none"  # none | pcie-sm120 | p2p-off
-    disable_nvls: bool = True
-    sample_interval_s: float = 1.0
-    slow_sample_interval_s: float = 5.0
+    nccl_preset: str = setting("none", help="NCCL settings: none | pcie-sm120 | p2p-off")  # checked by engine.nccl
+    disable_nvls: bool = setting(True, help="set NCCL_NVLS_ENABLE=0 in child processes unless already set")
+    sample_interval_s: float = setting(1.0, low=0.1, high=3600, help="seconds between GPU samples")
+    slow_sample_interval_s: float = setting(5.0, low=0.1, high=3600, help="seconds between slow GPU samples")
 
 
 @dataclass
 class DatasetConfig:
-    path: str = ""
-    eval_path: str = ""
-    format: str = "auto"  # auto | messages | sharegpt
-    max_seq_len: int = 2048
-    on_bad_line: str = "skip"  # skip | stop
-
-    CHOICES = {"format": ("auto", "messages", "sharegpt"), "on_bad_line": ("skip", "stop")}
+    path: str = setting("", help="training conversations (JSONL)")
+    eval_path: str = setting("", help="held-out conversations for evaluation (JSONL)")
+    format: str = setting("auto", choices=("auto", "messages", "sharegpt"), help="dataset format")
+    max_seq_len: int = setting(2048, low=16, high=_SEQ, help="tokens per sample; longer samples are truncated")
+    on_bad_line: str = setting("skip", choices=("skip", "stop"),
+                               help="a malformed line: skip counts it and goes on, stop ends the read")
 
 
 @dataclass
 class ExtractConfig:
-    output_dir: str = "hidden"
-    run: str = "run1"
-    spool_dir: str = "/dev/shm/eagle3-spool"
-    create_output_dir: bool = True
-    disk_reserve_gb: float = 50.0
-    spool_reserve_gb: float = 1.0
-    concurrency: int = 4
-    endpoints: list[str] = field(default_factory=list)  # extra server URLs for data-parallel extraction
-    max_retries: int = 2
+    output_dir: str = setting("hidden", help="where extraction runs write their records")
+    run: str = setting("run1", run_name=True, help="extraction run name")
+    spool_dir: str = setting("/dev/shm/eagle3-spool", help="scratch for captured segments; emptied as records commit")
+    create_output_dir: bool = setting(True, help="create output_dir when missing")
+    disk_reserve_gb: float = setting(50.0, low=0, high=_BIG,
+                                     help="extraction pauses when free space drops below this many GiB")
+    spool_reserve_gb: float = setting(1.0, low=0, high=_BIG, help="GiB of free space to keep on the spool")
+    concurrency: int = setting(4, low=1, high=4096, help="requests in flight")
+    endpoints: list[str] = setting(factory=list, help="extra server URLs for data-parallel extraction")
+    max_retries: int = setting(2, low=0, high=1000, help="retries of a failed sample before it counts as bad")
 
 
 @dataclass
 class TrainConfig:
-    output_dir: str = "drafters"
-    run: str = "run1"
-    epochs: int = 2
-    learning_rate: float = 1e-4
-    warmup_ratio: float = 0.02
-    max_len: int = 2048
-    batch_size: int = 1
-    grad_clip: float = 0.5
-    ttt_steps: int = 7
-    draft_vocab_size: int = 32000
-    save_every: int = 500
-    log_every: int = 10
-    eval_fraction: float = 0.05
-    num_gpus: int = 1
-    seed: int = 0
+    output_dir: str = setting("drafters", help="where drafter runs are written")
+    run: str = setting("run1", run_name=True, help="drafter run name")
+    epochs: int = setting(2, low=1, high=100_000, help="passes over the extracted records")
+    learning_rate: float = setting(1e-4, low=1e-12, high=1, help="peak learning rate")
+    warmup_ratio: float = setting(0.02, low=0, high=1, help="fraction of steps spent warming up the learning rate")
+    max_len: int = setting(2048, low=16, high=_SEQ, help="tokens per training sample")
+    batch_size: int = setting(1, low=1, high=65536, help="samples per step")
+    grad_clip: float = setting(0.5, low=0, high=1e6, help="gradient norm clip; 0 = no clipping")
+    ttt_steps: int = setting(7, low=1, high=64, help="test-time-training unroll steps")
+    draft_vocab_size: int = setting(32000, low=2, high=_SEQ, help="drafter vocabulary: the most frequent target tokens")
+    save_every: int = setting(500, low=1, high=_BIG, help="steps between checkpoints")
+    log_every: int = setting(10, low=1, high=_BIG, help="steps between metric lines")
+    eval_fraction: float = setting(0.05, low=0, high=0.9, help="fraction of records held out for validation")
+    num_gpus: int = setting(1, low=1, high=1024, help="GPUs to train on")
+    seed: int = setting(0, low=0, high=2**32 - 1, help="random seed for data order and initialisation")
 
 
 @dataclass
 class EvaluateConfig:
-    output_dir: str = "eval"
-    run: str = "run1"
-    num_prompts: int = 40
-    max_new_tokens: int = 256
-    spec_steps: int = 3
-    spec_topk: int = 1
-    spec_draft_tokens: int = 4
+    output_dir: str = setting("eval", help="where evaluation runs are written")
+    run: str = setting("run1", run_name=True, help="evaluation run name")
+    num_prompts: int = setting(40, low=1, high=1_000_000, help="prompts from dataset.eval_path")
+    max_new_tokens: int = setting(256, low=1, high=_SEQ, help="tokens generated per prompt")
+    spec_steps: int = setting(3, low=1, high=64, help="speculative steps per verify")
+    spec_topk: int = setting(1, low=1, high=64, help="drafter candidates per step")
+    spec_draft_tokens: int = setting(4, low=1, high=1024, help="tokens verified per step")
 
 
 @dataclass
 class UiConfig:
-    theme: str = "eagle3-dark"
-    refresh_s: float = 1.0
+    theme: str = setting("eagle3-dark", help="console theme")
+    refresh_s: float = setting(1.0, low=0.1, high=3600, help="seconds between pane refreshes")
 
 
 @dataclass
@@ -171,47 +224,40 @@ SECTIONS: dict[str, type] = {
     "ui": UiConfig,
 }
 
-# Numeric lower bounds: (section, key) -> (minimum, inclusive)
+
+def _declared() -> dict[str, Setting]:
+    table: dict[str, Setting] = {}
+    for name, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            spec = f.metadata.get(_SETTING)
+            if spec is None:  # programming error: every key needs its declaration
+                raise TypeError(f"{cls.__name__}.{f.name} is not declared with setting()")
+            tp = hints[f.name]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            if tp in (int, float) and (spec.low is None or spec.high is None):
+                raise TypeError(f"{name}.{f.name}: a numeric setting needs both bounds")
+            table[f"{name}.{f.name}"] = dataclasses.replace(spec, key=f"{name}.{f.name}", type=tp, default=default)
+    return table
+
+
+# "section.key" -> its declaration: the one table everything below is derived from.
+SETTINGS: dict[str, Setting] = _declared()
+
+# Views kept for callers of the earlier tables.
+for _name, _cls in SECTIONS.items():
+    _cls.CHOICES = {k.partition(".")[2]: s.choices for k, s in SETTINGS.items()
+                    if s.choices and k.partition(".")[0] == _name}
 _MINIMUMS: dict[tuple[str, str], float] = {
-    ("model", "tp_size"): 1,
-    ("model", "dp_size"): 1,
-    ("model", "ep_size"): 1,
-    ("server", "port"): 1,
-    ("server", "startup_timeout_s"): 1,
-    ("server", "nnodes"): 1,
-    ("server", "node_rank"): 0,
-    ("gpu", "sample_interval_s"): 0.1,
-    ("gpu", "slow_sample_interval_s"): 0.1,
-    ("dataset", "max_seq_len"): 16,
-    ("extract", "disk_reserve_gb"): 0,
-    ("extract", "spool_reserve_gb"): 0,
-    ("extract", "concurrency"): 1,
-    ("extract", "max_retries"): 0,
-    ("train", "epochs"): 1,
-    ("train", "learning_rate"): 1e-12,
-    ("train", "warmup_ratio"): 0,
-    ("train", "max_len"): 16,
-    ("train", "batch_size"): 1,
-    ("train", "grad_clip"): 0,
-    ("train", "ttt_steps"): 1,
-    ("train", "draft_vocab_size"): 2,
-    ("train", "save_every"): 1,
-    ("train", "log_every"): 1,
-    ("train", "eval_fraction"): 0,
-    ("train", "num_gpus"): 1,
-    ("evaluate", "num_prompts"): 1,
-    ("evaluate", "max_new_tokens"): 1,
-    ("evaluate", "spec_steps"): 1,
-    ("evaluate", "spec_topk"): 1,
-    ("evaluate", "spec_draft_tokens"): 1,
-    ("ui", "refresh_s"): 0.1,
-}
+    tuple(k.split(".", 1)): s.low for k, s in SETTINGS.items() if s.low is not None}
 _MAXIMUMS: dict[tuple[str, str], float] = {
-    ("server", "port"): 65535,
-    ("train", "warmup_ratio"): 1,
-    ("train", "eval_fraction"): 0.9,
-}
-_NAME_KEYS = {("extract", "run"), ("train", "run"), ("evaluate", "run")}
+    tuple(k.split(".", 1)): s.high for k, s in SETTINGS.items() if s.high is not None}
+_NAME_KEYS = {tuple(k.split(".", 1)) for k, s in SETTINGS.items() if s.run_name}
+
+
+def config_comments() -> dict[str, str]:
+    """The help written beside every key of console.toml, from the declarations."""
+    return {key: spec.comment() for key, spec in SETTINGS.items()}
 
 
 def _suggest(key: str, valid: typing.Iterable[str]) -> str:
@@ -227,8 +273,18 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
-def _convert(file: Path, key: str, value: Any, tp: Any) -> Any:
-    """Check `value` against the field type `tp`; ints are accepted for floats."""
+def _whole(spec: Setting | None) -> str:
+    span = spec.range_text() if spec else ""
+    return f"write a whole number from {span} without quotes" if span else "write a whole number without quotes"
+
+
+def _number(spec: Setting | None) -> str:
+    span = spec.range_text() if spec else ""
+    return f"write a number from {span} without quotes" if span else "write a number without quotes"
+
+
+def _convert(file: Path, key: str, value: Any, tp: Any, spec: Setting | None = None) -> Any:
+    """Check `value` against the field type `tp`; ints are accepted for floats, non-finite numbers never."""
     origin = typing.get_origin(tp)
     if origin is list:
         (inner,) = typing.get_args(tp)
@@ -241,12 +297,18 @@ def _convert(file: Path, key: str, value: Any, tp: Any) -> Any:
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(file, key, "must be an integer", "write a whole number without quotes", value)
+            raise ConfigError(file, key, "must be an integer", _whole(spec), value)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(file, key, "must be a number", "write a number without quotes", value)
-        return float(value)
+            raise ConfigError(file, key, "must be a number", _number(spec), value)
+        try:
+            converted = float(value)
+        except OverflowError:  # an integer too large for a float
+            converted = math.inf
+        if not math.isfinite(converted):
+            raise ConfigError(file, key, "must be a finite number", _number(spec), value)
+        return converted
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(file, key, "must be a string", 'put the value in double quotes', value)
@@ -254,27 +316,41 @@ def _convert(file: Path, key: str, value: Any, tp: Any) -> Any:
     raise TypeError(f"unsupported config field type {tp!r}")  # programming error, not user error
 
 
+def _check_value(file: Path, spec: Setting, value: Any) -> Any:
+    """One key's value against its declaration: type, finiteness, choices, bounds."""
+    converted = _convert(file, spec.key, value, spec.type, spec)
+    if spec.choices and converted not in spec.choices:
+        raise ConfigError(file, spec.key, "is not a valid choice", "use one of " + ", ".join(spec.choices), value)
+    if spec.low is not None and converted < spec.low:
+        raise ConfigError(file, spec.key, f"must be at least {_num(spec.low)}", f"set it from {spec.range_text()}",
+                          value)
+    if spec.high is not None and converted > spec.high:
+        raise ConfigError(file, spec.key, f"must be at most {_num(spec.high)}", f"set it from {spec.range_text()}",
+                          value)
+    return converted
+
+
+def check_value(key: str, value: Any, file: Path | str = CONFIG_NAME) -> Any:
+    """Validate one value for `section.key` as console.toml would; returns it converted (ConfigError if bad)."""
+    spec = SETTINGS.get(key)
+    if spec is None:
+        section, _, name = key.partition(".")
+        if section not in SECTIONS:
+            raise ConfigError(file, key, "unknown section", _suggest(section, SECTIONS))
+        fields = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        raise ConfigError(file, key, "unknown key", _suggest(name, fields))
+    return _check_value(Path(file), spec, value)
+
+
 def _build_section(file: Path, name: str, cls: type, raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(file, name, "must be a table", f"write it as a [{name}] section", raw)
-    hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     for key, value in raw.items():
-        dotted = f"{name}.{key}"
         if key not in fields:
-            raise ConfigError(file, dotted, "unknown key", _suggest(key, fields))
-        converted = _convert(file, dotted, value, hints[key])
-        choices = getattr(cls, "CHOICES", {}).get(key)
-        if choices and converted not in choices:
-            raise ConfigError(file, dotted, "is not a valid choice", "use one of " + ", ".join(choices), value)
-        low = _MINIMUMS.get((name, key))
-        if low is not None and converted < low:
-            raise ConfigError(file, dotted, f"must be at least {low:g}", f"set it to {low:g} or more", value)
-        high = _MAXIMUMS.get((name, key))
-        if high is not None and converted > high:
-            raise ConfigError(file, dotted, f"must be at most {high:g}", f"set it to {high:g} or less", value)
-        values[key] = converted
+            raise ConfigError(file, f"{name}.{key}", "unknown key", _suggest(key, fields))
+        values[key] = _check_value(file, SETTINGS[f"{name}.{key}"], value)
     section = cls(**values)
     _check_section(file, name, section)
     return section

@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import atomic
-from engine.config import CONFIG_NAME, Config, ConfigError, load_config, render_config, resolve_path
+from engine.config import (
+    CONFIG_NAME,
+    Config,
+    ConfigError,
+    check_value,
+    config_comments,
+    load_config,
+    render_config,
+    resolve_path,
+)
 
 LOCK_NAME = ".console.lock"
 DEFAULT_WORKSPACE = "eagle3-workspace"
@@ -172,9 +181,12 @@ class Workspace:
     def reserves(self) -> dict[str, int]:
         """Free space to keep per written path (bytes); the spool has its own, smaller one."""
         gib = 2**30
-        main = int(self.config.extract.disk_reserve_gb * gib)
-        return {"workspace": main, "hidden": main, "drafters": main,
-                "spool": int(self.config.extract.spool_reserve_gb * gib)}
+        ex = self.config.extract
+        # load_config has checked both; a Config changed in code is checked here, so a NaN or an
+        # infinity is a ConfigError naming the key rather than a traceback from int().
+        main = int(check_value("extract.disk_reserve_gb", ex.disk_reserve_gb, self.config_path) * gib)
+        spool = int(check_value("extract.spool_reserve_gb", ex.spool_reserve_gb, self.config_path) * gib)
+        return {"workspace": main, "hidden": main, "drafters": main, "spool": spool}
 
     # -- config
     @property
@@ -195,18 +207,8 @@ class Workspace:
         return self.config_path.is_file()
 
 
-CONFIG_COMMENTS = {
-    "model.path": "target model directory (HF format)",
-    "model.backend": "local | sglang",
-    "model.capture_layers": "0-indexed decoder layer outputs; [] = [1, L//2-1, L-4]",
-    "server.host": "keep 127.0.0.1 unless other machines must reach the server",
-    "server.api_key": "sent as a Bearer token; never logged",
-    "gpu.nccl_preset": "none | pcie-sm120 | p2p-off",
-    "dataset.format": "auto | messages | sharegpt",
-    "dataset.on_bad_line": "skip (and count) | stop",
-    "extract.disk_reserve_gb": "extraction pauses when free space drops below this",
-    "extract.spool_dir": "scratch for captured segments; emptied as records commit",
-}
+# The help beside every key of console.toml: derived from the keys' declarations in engine.config.
+CONFIG_COMMENTS = config_comments()
 
 
 def demo_config() -> Config:
