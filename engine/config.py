@@ -167,7 +167,9 @@ class TrainConfig:
     output_dir: str = setting("drafters", help="where drafter runs are written")
     run: str = setting("run1", run_name=True, help="drafter run name")
     epochs: int = setting(2, low=1, high=100_000, help="passes over the extracted records")
-    learning_rate: float = setting(1e-4, low=1e-12, high=1, help="peak learning rate")
+    # Ceiling: float32's range (the optimizer's arithmetic), not plausibility: the fault suite trains
+    # with 1e30 from console.toml to prove a diverging run stops (tests/faults/test_nonfinite_training.py).
+    learning_rate: float = setting(1e-4, low=1e-12, high=1e38, help="peak learning rate")
     warmup_ratio: float = setting(0.02, low=0, high=1, help="fraction of steps spent warming up the learning rate")
     max_len: int = setting(2048, low=16, high=_SEQ, help="tokens per training sample")
     batch_size: int = setting(1, low=1, high=65536, help="samples per step")
