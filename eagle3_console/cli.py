@@ -540,7 +540,7 @@ def _print_server(status) -> None:
 
 def _add_data_parser(sub) -> None:
     leaf = _common()  # -w defaults to SUPPRESS there, so `eagle3-console -w DIR data list` keeps DIR
-    p = sub.add_parser("data", help="list extraction runs, or release (delete) an old one", parents=[leaf])
+    p = sub.add_parser("data", help="list, export or release (delete) extraction runs", parents=[leaf])
     actions = p.add_subparsers(dest="data_action", metavar="ACTION")
     actions.required = True
     q = actions.add_parser("list", help="runs under extract.output_dir: records, size, state", parents=[leaf])
@@ -553,12 +553,20 @@ def _add_data_parser(sub) -> None:
                    help="scripts: confirm by giving the run name again (deletes even without a newer run)")
     q.add_argument("--yes", action="store_true",
                    help="scripts: delete without asking when a newer run is verified complete")
+    q = actions.add_parser("export", help="write a finished run (re-hashed as read) in SpecForge's offline "
+                           "layout", parents=[leaf])
+    q.add_argument("run", metavar="RUN")
+    q.add_argument("dir", metavar="DIR", help="a new (or empty) directory")
+    q.add_argument("--format", required=True, choices=["specforge"],
+                   help="specforge: the *.ckpt files SpecForge's offline trainer reads (data.hidden_states_path)")
 
 
 def cmd_data(args) -> int:
     from engine.release import ReleaseError
 
     ws = _open_workspace(args)
+    if args.data_action == "export":
+        return _data_export(ws, args)
     try:
         return _data_list(ws, args) if args.data_action == "list" else _data_release(ws, args)
     except ReleaseError as exc:
@@ -637,6 +645,29 @@ def _data_release(ws, args) -> int:
         return 1
     freed = release_run(ws, name, confirmed_name=confirmed, newer_ok=newer_ok)
     print(f"released {name}: freed {fmt_bytes(freed)}")
+    return 0
+
+
+def _data_export(ws, args) -> int:
+    from engine.disk import fmt_bytes
+    from engine.release import output_dir_of
+    from engine.specforge_export import ExportError, export_specforge
+
+    def progress(done: int, total: int) -> None:
+        if sys.stderr.isatty() and (done % 200 == 0 or done == total):
+            print(f"\r  exported {done}/{total} records", end="\n" if done == total else "", file=sys.stderr,
+                  flush=True)
+
+    try:
+        result = export_specforge(output_dir_of(ws), args.run, args.dir, progress=progress)
+    except ExportError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"{exc.filename or args.dir}: {exc.strerror or exc}; nothing exported")
+    print(f"exported run {result.run}: {result.files} records, {result.tokens} tokens, {fmt_bytes(result.bytes)} "
+          f"to {result.dest} (SpecForge offline layout)")
+    print(f"  train with SpecForge: data.hidden_states_path = {result.dest}; see "
+          f"{result.dest}/eagle3_console_export.json for the layers the files hold")
     return 0
 
 

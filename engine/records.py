@@ -1,9 +1,13 @@
 """Extraction records: one safetensors file per sample, a manifest line per completed sample.
 
-Record keys follow SpecForge so its tools can read our data:
+Record keys (and their meaning) are those of SpecForge's offline EAGLE-3 features:
   input_ids int64 [T], loss_mask int64 [T] (1 on assistant tokens),
   aux_hidden_state bf16 [T, 3H] (outputs of the three capture layers, low -> high),
   hidden_state bf16 [T, H] (post-final-norm state feeding the LM head). No padding.
+SpecForge cannot read these files as they are: its offline trainer reads torch.save'd dicts in
+`*.ckpt` files with the states shaped [1, T, .]. `eagle3-console data export RUN --format specforge
+DIR` (engine/specforge_export.py) writes those; tests/test_specforge_export.py loads them with
+SpecForge's own offline loader.
 
 Layout of a run directory:
   run.json                 what produced it (model, H, layers, dataset, max_seq_len, sample count)
