@@ -66,6 +66,31 @@ def check_disk(ctx: CheckContext) -> list[CheckResult]:
     return results
 
 
+def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, str]:
+    """(tokens, bytes) of the records already in the current run, and a note when some are not counted.
+
+    Records count when the run was made for this model width, max_seq_len and dataset (the
+    extraction resumes those and writes only the rest); a run made with other settings is
+    refused by the extraction, so its records are not counted against the budget.
+    """
+    from engine.records import RecordError, read_manifest, read_run_meta
+
+    run_dir = ctx.workspace.hidden_dir
+    if not (run_dir / "run.json").is_file():
+        return 0, 0, ""
+    try:
+        meta = read_run_meta(run_dir)
+        entries, _ = read_manifest(run_dir)
+    except (RecordError, OSError):
+        return 0, 0, f"; the records in {run_dir} are unreadable and not counted"
+    cfg = ctx.config
+    dataset = str(ctx.workspace.path(cfg.dataset.path)) if cfg.dataset.path else ""
+    if (meta.get("hidden_size") != hidden or meta.get("max_seq_len") != cfg.dataset.max_seq_len
+            or meta.get("dataset") != dataset):
+        return 0, 0, f"; the records in {run_dir} were made with other settings and are not counted"
+    return sum(e.tokens for e in entries.values()), sum(e.bytes for e in entries.values()), ""
+
+
 def _budget(ctx: CheckContext) -> CheckResult:
     from engine.checks.model import read_model_config
 
@@ -76,11 +101,25 @@ def _budget(ctx: CheckContext) -> CheckResult:
         return warned("budget", "hidden size unknown (model config unreadable)", "fix the `model` stage first")
     tokens, source = estimate_tokens(ctx)
     per_token = bytes_per_token(hidden)
-    needed = tokens * per_token + 256 * max(tokens // 512, 1)  # manifest lines are small
+    # Only what remains is written: records already in the run are resumed, not redone.
+    done_tokens, done_bytes, note = written_so_far(ctx, hidden)
+    todo = max(tokens - done_tokens, 0)
+    needed = todo * per_token + 256 * max(todo // 512, 1) if todo else 0  # manifest lines are small
     reserve = int(cfg.extract.disk_reserve_gb * GIB)
     usage = usage_for("hidden", str(ctx.workspace.hidden_dir), reserve)
-    summary = (f"needs {fmt_bytes(needed)} ({tokens:,} tokens × {fmt_bytes(per_token)}, {source}), "
-               f"free {fmt_bytes(usage.free)}, reserve {fmt_bytes(reserve)} on {usage.mount}")
+    where = f"free {fmt_bytes(usage.free)}, reserve {fmt_bytes(reserve)} on {usage.mount}"
+    if not done_tokens:
+        summary = f"needs {fmt_bytes(needed)} ({tokens:,} tokens × {fmt_bytes(per_token)}, {source}){note}, {where}"
+    elif not todo:
+        summary = (f"needs nothing more: all {tokens:,} tokens already written ({fmt_bytes(done_bytes)} in "
+                   f"{ctx.workspace.hidden_dir}, {source}), {where}")
+    else:
+        summary = (f"needs {fmt_bytes(needed)} more ({todo:,} tokens still to write × {fmt_bytes(per_token)}; "
+                   f"{done_tokens:,} of {tokens:,} tokens already written, {fmt_bytes(done_bytes)} in "
+                   f"{ctx.workspace.hidden_dir}; {source}), {where}")
+    if not todo and usage.free < reserve:
+        return warned("budget", summary, f"nothing is left to write here, but {usage.mount} is under its reserve: "
+                                         "free space there before jobs that write to it")
     if needed > usage.free - reserve:
         return failed("budget", summary,
                       "use fewer samples, a shorter dataset.max_seq_len, or extract.output_dir on another disk")
