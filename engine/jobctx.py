@@ -17,7 +17,6 @@ Inside a job (the manager sets EAGLE3_JOB_DIR):
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -27,6 +26,7 @@ from typing import Any, Mapping
 
 from engine.atomic import append_line, write_json
 from engine.jsonfile import read_json_object
+from engine.jsonl import dumps_line
 
 JOB_DIR_ENV = "EAGLE3_JOB_DIR"
 RECORD_FILE = "job.json"
@@ -113,11 +113,12 @@ class JobContext:
         return self.job_dir / EVENTS_FILE
 
     def event(self, type: str, /, **data: Any) -> None:
-        """Append one event. Each call fsyncs, so report at a human rate (not per token)."""
+        """Append one event. Each call fsyncs, so report at a human rate (not per token). A non-finite
+        number is written as text ("NaN", "Infinity"): the line stays strict JSON."""
         if "t" in data or "type" in data:
             raise ValueError("event data must not use the reserved keys 't' or 'type'")
         record = {"t": time.time(), "type": type, **data}
-        append_line(self.events_path, json.dumps(record, default=str, separators=(",", ":")))
+        append_line(self.events_path, dumps_line(record, default=str))
 
     def progress(self, done: int | float, total: int | float | None, /, **extra: Any) -> None:
         self.event("progress", done=done, total=total, **extra)
