@@ -1,5 +1,14 @@
 """The training loop: AdamW, warmup + cosine, clipping, bf16 autocast on GPU, metrics, checkpoints,
-exact resume, DDP under torchrun (rank 0 writes), SIGTERM -> checkpoint -> exit."""
+exact resume, DDP under torchrun (rank 0 writes), SIGTERM -> checkpoint -> exit.
+
+Non-finite training is a failure the operator sees: a step whose loss or gradient norm is NaN/inf is
+not applied (its gradients are dropped), no checkpoint is taken while such steps run or while the
+weights are not finite, and after NONFINITE_LIMIT of them in a row (or when the run ends on one) the
+run stops with a TrainError naming the step, the values and the fix: a `nonfinite` event, a
+`{"type": "failed", "reason": "nonfinite", ...}` line in metrics.jsonl (which `check train` shows in
+red; a resume trims it with the other lines past its checkpoint), exit status 2 from the job.
+metrics.jsonl and the events stay strict JSON: a non-finite number is written as "NaN"/"Infinity".
+"""
 
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from pathlib import Path
 import torch
 
 from engine import atomic
+from engine.jsonl import dumps_line
 from engine.train import checkpoint as ckpt
 from engine.train.data import RecordData, Teacher, TrainDataError
 from engine.train.loss import STAT_FIELDS, TTTModel, summarize
@@ -23,6 +33,10 @@ from engine.train.vocab import build_vocab, draft_vocab_size, validate_vocab
 
 METRICS = "metrics.jsonl"
 VOCAB = "vocab.safetensors"
+# Consecutive steps with a non-finite loss or gradient norm after which the run stops (failed). A
+# single one is skipped (an fp overflow on one odd batch can recover); three in a row do not recover
+# in practice: the weights themselves are no longer finite (a learning rate far too high, say).
+NONFINITE_LIMIT = 3
 
 
 class TrainError(Exception):
@@ -96,6 +110,8 @@ class Trainer:
         # lengths, so SDPA (no compilation) is the default. EAGLE3_TRAIN_ATTENTION=flex opts in.
         self.backend = backend or os.environ.get("EAGLE3_TRAIN_ATTENTION", "sdpa")
         self.out_dir: Path = workspace.drafter_dir
+        self.nonfinite_streak = 0  # steps in a row with a non-finite loss or gradient norm
+        self.step_finite, self.step_loss, self.step_lr = True, math.nan, math.nan
 
     # ------------------------------------------------------------------ reporting
     @property
@@ -108,11 +124,11 @@ class Trainer:
         if self.ctx is not None:
             self.ctx.event(kind, **data)
         else:
-            print(json.dumps({"type": kind, **data}, default=str), flush=True)
+            print(dumps_line({"type": kind, **data}, default=str), flush=True)
 
     def metric(self, record: dict) -> None:
         if self.is_main:
-            atomic.append_line(self.out_dir / METRICS, json.dumps(record, separators=(",", ":")))
+            atomic.append_line(self.out_dir / METRICS, dumps_line(record))
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -124,6 +140,7 @@ class Trainer:
             torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self._check_numbers()
         model_dir = self.ws.model_dir
         try:
             target = read_model_config(model_dir)
@@ -187,6 +204,17 @@ class Trainer:
             # Lines past the starting step come from a run that died before checkpointing them
             # (even before its first checkpoint): they are redone, so drop them (no duplicates).
             self._trim_metrics()
+
+    def _check_numbers(self) -> None:
+        """The trainer's own guard (whatever the config validation lets through): a learning rate that is
+        not a finite number above 0, or a NaN/negative clip, would train every step on NaN."""
+        lr, clip = self.cfg.learning_rate, self.cfg.grad_clip
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise TrainError(f"train.learning_rate = {lr} is not a finite number above 0: set it in console.toml "
+                             "(1e-4 is a usual start)")
+        if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
+            raise TrainError(f"train.grad_clip = {clip} is not a number >= 0: set it in console.toml "
+                             "(1.0 is usual; 0 turns clipping off)")
 
     def _vocab(self, run_dir: Path, size: int):
         """The draft vocabulary, fixed at the first start: regenerating it on resume would misalign lm_head rows."""
@@ -288,15 +316,45 @@ class Trainer:
             return self.ddp(batch, teacher)
 
     def train_step(self, batch) -> tuple[torch.Tensor, float]:
+        """One step; a non-finite loss or gradient norm (on any rank) skips the update on every rank:
+        `step_finite`, `step_loss` (mean over ranks) and `step_lr` say how the step went."""
         self.model.train()
         self.optim.zero_grad(set_to_none=True)  # before the forward: last step's grads are not held through it
         loss, stats = self._forward(batch)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.trainable_parameters(), self.cfg.grad_clip or 1e9)
-        self.optim.step()
+        # One host sync for both values; the sum over ranks stays non-finite if any rank's is.
+        values = self._all_reduce(torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float()]))
+        loss_value, grad_value = (v / self.world for v in values.tolist())
+        self.step_loss, self.step_lr = loss_value, self.optim.param_groups[0]["lr"]
+        self.step_finite = math.isfinite(loss_value) and math.isfinite(grad_value)
+        if self.step_finite:
+            self.optim.step()
+        else:
+            self.optim.zero_grad(set_to_none=True)  # not applied: NaN/inf would spread into every weight
         self.sched.step()
         self.step += 1
-        return stats, float(grad_norm)
+        return stats, grad_value
+
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.trainable_parameters())
+
+    def _nonfinite_failure(self, first_step: int, streak: int, grad_norm: float) -> TrainError:
+        """Log and report the stop for non-finite values; returns the error to raise."""
+        latest = ckpt.latest(self.out_dir) if self.is_main else None
+        resume = (f"it resumes from the checkpoint of step {latest['step']}, taken before this" if latest
+                  else "no checkpoint was taken, it starts again")
+        steps = f"step {first_step}" if streak == 1 else f"steps {first_step}-{self.step}"
+        message = (f"training stopped at step {self.step}: loss {self.step_loss:.4g}, grad norm {grad_norm:.4g} "
+                   f"(lr {self.step_lr:.3g}) for {streak} step{'s' if streak != 1 else ''} in a row ({steps}, "
+                   "not applied, nothing checkpointed): lower train.learning_rate "
+                   f"(now {self.cfg.learning_rate:g}) or set train.grad_clip, then `eagle3-console run train` "
+                   f"({resume})")
+        values = {"step": self.step, "first_step": first_step, "streak": streak, "loss": self.step_loss,
+                  "grad_norm": grad_norm, "lr": self.step_lr}
+        self.metric({"type": "failed", "t": time.time(), "reason": "nonfinite", **values, "message": message})
+        self.event("nonfinite", **values, message=message)
+        return TrainError(message)
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
@@ -324,6 +382,11 @@ class Trainer:
         return bool(self._all_reduce(flag).item() > 0)
 
     def _eval_and_best(self, train_summary: dict | None) -> None:
+        if self.nonfinite_streak or not self.weights_finite():
+            # Same answer on every rank (the step flag is reduced, the weights are replicated): nobody
+            # evaluates, nothing non-finite becomes a checkpoint, let alone the best one.
+            self.event("checkpoint_skipped", step=self.step, reason="non-finite loss, gradients or weights")
+            return
         summary = self.evaluate()
         source = summary or train_summary
         if summary is not None:
@@ -366,6 +429,7 @@ class Trainer:
                    eval=len(self.data.eval_entries), device=str(self.device), world=self.world, backend=self.backend)
         limit = self.total_steps if self.max_steps is None else min(self.total_steps, self.step + self.max_steps)
         window, tokens, grad_norm, last_summary = None, 0, 0.0, None
+        self.nonfinite_streak, first_nonfinite = 0, None
         t0 = time.perf_counter()
         saved_at = self.step
         # The next step's records are read, hashed and padded on a thread while this step trains (a
@@ -374,13 +438,19 @@ class Trainer:
             upcoming = prefetch.submit(self.data.collate, self._batch_entries(self.step)) if self.step < limit else None
             while self.step < limit:
                 if self._should_stop():
-                    self.save_checkpoint()
+                    if not self.nonfinite_streak and self.weights_finite():
+                        self.save_checkpoint()
                     self.event("stopped", step=self.step)
                     return 0
                 batch = upcoming.result()
                 if self.step + 1 < limit:
                     upcoming = prefetch.submit(self.data.collate, self._batch_entries(self.step + 1))
                 stats, grad_norm = self.train_step(batch)
+                if self.step_finite:
+                    self.nonfinite_streak, first_nonfinite = 0, None
+                else:
+                    self.nonfinite_streak += 1
+                    first_nonfinite = first_nonfinite or self.step
                 window = stats if window is None else window + stats
                 tokens += batch.tokens
                 if self.step % self.cfg.log_every == 0 or self.step == limit:
@@ -396,9 +466,13 @@ class Trainer:
                         self.ctx.progress(self.step, self.total_steps, loss=round(summary["loss"], 4),
                                           sim_al=round(summary["sim_al"], 3), tokens_per_s=round(rate, 1))
                     window, tokens, t0 = None, 0, time.perf_counter()
+                if self.nonfinite_streak >= NONFINITE_LIMIT:
+                    raise self._nonfinite_failure(first_nonfinite, self.nonfinite_streak, grad_norm)
                 if self.step % self.cfg.save_every == 0:
                     self._eval_and_best(last_summary)
                     saved_at = self.step
+        if self.nonfinite_streak and self.step >= self.total_steps:
+            raise self._nonfinite_failure(first_nonfinite, self.nonfinite_streak, grad_norm)  # never export it
         if saved_at != self.step:
             self._eval_and_best(last_summary)
         if self.step >= self.total_steps:

@@ -132,7 +132,7 @@ def test_a_learning_rate_that_is_not_finite_positive_is_refused_before_the_first
     trainer = Trainer(ws, device="cpu")
     with pytest.raises(TrainError, match=r"train\.learning_rate = .*finite number above 0") as failure:
         trainer.run()
-    assert trainer.step == 0 and str(value) in str(failure.value)
+    assert getattr(trainer, "step", 0) == 0 and str(value) in str(failure.value)  # no step taken
     assert not (ws.drafter_dir / "metrics.jsonl").exists() or not strict_lines(ws.drafter_dir / "metrics.jsonl")
 
 
