@@ -1,5 +1,7 @@
 """Stage `train`: green only when the SGLang export exists, its config.json is right and its
-weight names/shapes are exactly what SGLang's llama_eagle3 loader consumes."""
+weight names/shapes are exactly what SGLang's llama_eagle3 loader consumes; red with the reason
+when the last run of the drafter failed (the `failed` line engine.train.loop writes at the end
+of metrics.jsonl, e.g. for non-finite loss or gradients; a resume trims it)."""
 
 from __future__ import annotations
 
@@ -11,17 +13,39 @@ from engine.checks.context import CheckContext
 START_FIX = "start training: `eagle3-console run train` (a stopped run resumes from its last checkpoint)"
 
 
-def _last_step(metrics_path) -> int | None:
+def _last_record(metrics_path) -> dict | None:
+    """The last complete metrics line with a step (a torn or foreign line is skipped)."""
     try:
         lines = metrics_path.read_text().splitlines()
     except OSError:
         return None
     for line in reversed(lines):
         try:
-            return int(json.loads(line)["step"])
+            record = json.loads(line)
+            int(record["step"])
         except (ValueError, KeyError, TypeError):
             continue
+        return record
     return None
+
+
+def _num(value) -> str:
+    """A logged number ("NaN"/"Infinity" are how a non-finite one is logged) as the message spells it."""
+    try:
+        return f"{float(value):.4g}"
+    except (TypeError, ValueError):
+        return "?"
+
+
+def _failure(last: dict | None) -> str | None:
+    if not last or last.get("type") != "failed":
+        return None
+    if last.get("reason") == "nonfinite":
+        streak = last.get("streak", "?")
+        return (f"training stopped at step {last['step']}: loss {_num(last.get('loss'))}, grad norm "
+                f"{_num(last.get('grad_norm'))} (lr {_num(last.get('lr'))}) for {streak} step(s) in a row "
+                f"from step {last.get('first_step', '?')}, not applied")
+    return str(last.get("message") or f"training failed at step {last['step']} ({last.get('reason', '?')})")
 
 
 def check_train(ctx: CheckContext) -> list[CheckResult]:
@@ -32,10 +56,17 @@ def check_train(ctx: CheckContext) -> list[CheckResult]:
     out = ctx.workspace.drafter_dir
     export = out / EXPORT_DIR
     active = JobManager(ctx.workspace.jobs_dir).active("train")
-    steps = _last_step(out / "metrics.jsonl")
+    last = _last_record(out / "metrics.jsonl")
+    steps = int(last["step"]) if last else None
     best = ckpt.best(out) or {}
     progress = (f"{steps} steps" if steps is not None else "no steps logged") + (
         f", best simulated acceptance length {best['sim_al']:.3f} (step {best['step']})" if best else "")
+    failure = _failure(last)
+    if failure and not active:
+        earlier = f"; the export in {export} is from an earlier run" if (export / CONFIG).is_file() else ""
+        fix = ("lower train.learning_rate or set train.grad_clip, then `eagle3-console run train` (it resumes "
+               "from the last checkpoint before the failure)" if last.get("reason") == "nonfinite" else START_FIX)
+        return [failed("run", f"{failure}{earlier}", fix)]
     if not (export / CONFIG).is_file():
         if active:
             return [failed("export", f"training running (job {active[0].id}): {progress}", "wait for it to finish")]
