@@ -69,14 +69,17 @@ def test_config_parser_gives_a_config_or_a_config_error(doc):
 # Every numeric key of console.toml, found from the dataclasses (not from the validation table).
 _NUMERIC = [(f"{name}.{key}", tp) for name, cls in SECTIONS.items()
             for key, tp in typing.get_type_hints(cls).items() if tp in (int, float) and key in cls.__dataclass_fields__]
-_BIGGEST = 2**32  # no setting needs more; every numeric setting is >= 0
 
 
 def _assert_numbers_finite_and_bounded(config: Config) -> None:
+    """Every number finite, non-negative and within the bounds its key declares."""
+    from engine.config import SETTINGS
+
     for dotted, _ in _NUMERIC:
         section, _, key = dotted.partition(".")
         value = getattr(getattr(config, section), key)
-        assert math.isfinite(value) and 0 <= value <= _BIGGEST, f"{dotted} = {value!r} accepted"
+        spec = SETTINGS[dotted]
+        assert math.isfinite(value) and 0 <= spec.low <= value <= spec.high, f"{dotted} = {value!r} accepted"
 
 
 _bad_numbers = st.one_of(
