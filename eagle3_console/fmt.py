@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 
 def fmt_duration(seconds: float | int | None) -> str:
-    """61 -> "1m01s", 3720 -> "1h02m", 200000 -> "2d07h"; None -> "?"."""
-    if seconds is None:
+    """61 -> "1m01s", 3720 -> "1h02m", 200000 -> "2d07h"; None, NaN, inf -> "?"."""
+    if seconds is None or not math.isfinite(seconds):
         return "?"
     s = max(0, int(seconds))
     if s < 60:
@@ -18,10 +20,12 @@ def fmt_duration(seconds: float | int | None) -> str:
 
 
 def fmt_count(n: float | int | None) -> str:
-    """1234 -> "1.2k", 12_345_678 -> "12.3M"; None -> "?"."""
+    """1234 -> "1.2k", 12_345_678 -> "12.3M"; None -> "?"; NaN -> "NaN", inf -> "inf"."""
     if n is None:
         return "?"
     n = float(n)
+    if not math.isfinite(n):
+        return "NaN" if math.isnan(n) else "inf" if n > 0 else "-inf"
     for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= size:
             return f"{n / size:.1f}{unit}"
@@ -29,7 +33,7 @@ def fmt_count(n: float | int | None) -> str:
 
 
 def fmt_num(value, digits: int = 2) -> str:
-    """A float with `digits` decimals, or "?" when missing or not a number."""
+    """A float with `digits` decimals ("nan", "inf" for those), or "?" when missing or not a number."""
     try:
         return f"{float(value):.{digits}f}"
     except (TypeError, ValueError):

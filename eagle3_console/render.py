@@ -6,15 +6,17 @@ colours them correctly.
 
 from __future__ import annotations
 
+import math
+
 from textual.markup import escape
 
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 
 
 def bar(fraction: float | None, width: int, colour: str = "$primary") -> str:
-    """A `width`-cell bar in eighth-block resolution; unknown values render as a muted track."""
+    """A `width`-cell bar in eighth-block resolution; unknown values (None, NaN, inf) render as a muted track."""
     width = max(1, width)
-    if fraction is None:
+    if fraction is None or not math.isfinite(fraction):
         return f"[$text-muted]{'╌' * width}[/]"
     fraction = min(1.0, max(0.0, fraction))
     eighths = round(fraction * width * 8)
@@ -27,8 +29,8 @@ def bar(fraction: float | None, width: int, colour: str = "$primary") -> str:
 
 
 def level_colour(percent: float | None, warn: float, error: float) -> str:
-    """$success below `warn`, $warning below `error`, else $error; muted when unknown."""
-    if percent is None:
+    """$success below `warn`, $warning below `error`, else $error; muted when unknown (None, NaN, inf)."""
+    if percent is None or not math.isfinite(percent):
         return "$text-muted"
     if percent >= error:
         return "$error"
