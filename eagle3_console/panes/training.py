@@ -3,9 +3,12 @@
 The training job appends one JSON line per log step to `<drafter_dir>/metrics.jsonl`
 (engine.train.loop): `type` train|eval, `step`, `t`, `loss`, `loss_pos` [per TTT position],
 `acc` [per position], `accept`, `sim_al` (simulated acceptance length), and on train lines
-`lr`, `grad_norm`, `tokens_per_s`. A thread worker reads only the bytes added since the last
-read (a line still being written waits for the next read); a replaced file (a resumed run
-trims it atomically) is read again from the start. Missing keys are shown as "?".
+`lr`, `grad_norm`, `tokens_per_s`; a run that failed ends with a `failed` line (`reason`,
+`message`, e.g. non-finite loss), shown in red. A thread worker reads only the bytes added since
+the last read (a line still being written waits for the next read); a replaced file (a resumed run
+trims it atomically) is read again from the start. Missing keys are shown as "?". Non-finite
+values (logged as "NaN"/"Infinity", or bare NaN/Infinity by older runs) are shown as nan/inf and
+never plotted: a curve with no finite point says so instead of drawing.
 
 Keys (app-level, shown while this pane is active): `T` start/resume, `K` stop (asks first),
 `c` next curve when only one fits.
@@ -14,6 +17,7 @@ Keys (app-level, shown while this pane is active): `T` start/resume, `K` stop (a
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -83,10 +87,12 @@ def read_pointer(path: Path) -> dict | None:
 
 
 def _float(value) -> float | None:
+    """A finite number, else None (missing, not a number, NaN or inf: nothing to plot or compare)."""
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         return None
+    return number if math.isfinite(number) else None
 
 
 @dataclass
@@ -123,12 +129,16 @@ class TrainingView:
     best_al: float | None = None
     best_step: int | None = None
     total_steps: int | None = None
+    failure: dict = field(default_factory=dict)  # the `failed` line a run that failed ends with
 
     def add(self, record: dict) -> None:
         step = _float(record.get("step"))
         if step is None:
             return
         kind = record.get("type", "train")
+        if kind == "failed":
+            self.failure = record
+            return
         al = _float(record.get("sim_al"))
         if kind == "eval":
             self.last_eval = record
@@ -321,7 +331,10 @@ class TrainingPane(Pane):
         rate = v.steps_per_s
         lines = [" · ".join(p for p in (job, step, f"{fmt_num(rate)} step/s" if rate else "",
                                          f"ETA {fmt_duration(v.eta_s)}" if v.eta_s is not None else "") if p)]
-        if self.job_note:
+        failure = str(v.failure.get("message") or f"failed at step {v.failure.get('step')}") if v.failure else ""
+        if failure:
+            lines.append(f"[$error]✘ {esc(failure)}[/]")
+        if self.job_note and self.job_note != f"error: {failure}":
             lines.append(f"[$text-muted]{esc(self.job_note)}[/]")
         set_markup(state, "\n".join(lines))
         set_markup(self.query_one("#training-figures", Static), "\n".join(self._figure_lines()))
@@ -365,9 +378,10 @@ class TrainingPane(Pane):
             plt = widget.plt
             plt.clear_data()
             plt.clear_figure()
-            title = CURVE_TITLES[name] + ("" if wide else "  (c: next curve)")
+            lines = self.plot_data(name)  # finite points only: plotext fails on NaN/inf
+            title = CURVE_TITLES[name] + ("" if lines else " (no finite values)") + ("" if wide else "  (c: next curve)")
             plt.title(title)
-            for i, (label, (xs, ys)) in enumerate(self.plot_data(name).items()):
+            for i, (label, (xs, ys)) in enumerate(lines.items()):
                 plt.plot(xs, ys, label=label, color=palette[i % len(palette)], marker="braille")
             widget.refresh()
 
@@ -391,5 +405,8 @@ class TrainingPane(Pane):
 
 
 def _sci(value) -> str:
-    number = _float(value)
-    return "?" if number is None else f"{number:.1e}"
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return "?"
+    return f"{number:.1e}" if math.isfinite(number) else str(number)  # nan, inf

@@ -225,14 +225,18 @@ async def test_training_pane_renders_nan_inf_null_at_80x24_and_160x50(tmp_path, 
                 assert xs and len(xs) == len(ys) and all(math.isfinite(y) for y in ys)
         if not only_nonfinite:
             assert pane.plot_data("loss")["train"] == ([1.0], [5.5])
-        for _ in range(3):
+        for title in ("accuracy per position", "simulated acceptance length", "loss"):
             await pilot.press("c")
-            await pilot.pause(0.1)
+            await pilot.pause(0.2)
+            text = screen_text(app)
+            assert title in text, text
+            if only_nonfinite:
+                assert "(no finite values)" in text, text
         await pilot.resize_terminal(160, 50)
         await pilot.pause(0.5)
         text = screen_text(app)
         assert "training stopped at step 4" in text and "loss nan" in text, text
-        assert "accuracy per position" in text and "simulated acceptance length" in text, text
+        assert "Pipeline" in text and "Extraction" in text, text  # every pane is on screen
     ledger.add("non-finite metrics in the console", trials=1, faults=len(NAN_LINES), records=len(NAN_LINES))
 
 
