@@ -64,8 +64,10 @@ def check_train(ctx: CheckContext) -> list[CheckResult]:
     failure = _failure(last)
     if failure and not active:
         earlier = f"; the export in {export} is from an earlier run" if (export / CONFIG).is_file() else ""
-        fix = ("lower train.learning_rate or set train.grad_clip, then `eagle3-console run train` (it resumes "
-               "from the last checkpoint before the failure)" if last.get("reason") == "nonfinite" else START_FIX)
+        latest = ckpt.latest(out)
+        resume = f"it resumes from the checkpoint of step {latest['step']}" if latest else "it starts again"
+        fix = (f"lower train.learning_rate or set train.grad_clip, then `eagle3-console run train` ({resume})"
+               if last.get("reason") == "nonfinite" else START_FIX)
         return [failed("run", f"{failure}{earlier}", fix)]
     if not (export / CONFIG).is_file():
         if active:
