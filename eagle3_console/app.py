@@ -6,6 +6,8 @@ pane that shows it. Check runs go through workers, so the UI never waits on a ch
 Quitting closes the view only: jobs are detached processes that keep running. So does losing
 the terminal (a dropped SSH link): SIGHUP, or a terminal that can no longer be read, closes
 the console cleanly (lock released, jobs untouched) instead of leaving it spinning on a dead tty.
+Whatever the console is doing when its terminal goes (quitting, waiting on a check), a guard
+thread outside the event loop ends the process once the terminal has been gone TTY_GONE_EXIT_S.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -50,7 +53,9 @@ from eagle3_console.panes import (
 from eagle3_console.tabs import TABS
 
 ENGINE_START_DELAY_S = 0.1  # after the first paint: the footer is rebuilt just after it
-TTY_CHECK_S = 2.0  # how often the console checks that its terminal is still there
+TTY_CHECK_S = 1.0  # how often the app checks that its terminal is still there (then closes cleanly)
+TTY_GUARD_S = 0.25  # how often the guard thread checks it
+TTY_GONE_EXIT_S = 2.5  # a console whose terminal has been gone this long exits, whatever it is doing
 SHIPPED_THEMES = ("eagle3-dark", "eagle3-light", "eagle3-contrast")
 
 
@@ -79,6 +84,7 @@ class ConsoleApp(JobActions, App[int]):
         self.workspace = engine.workspace
         self._unsubscribe = None
         self._closed = False
+        self.engine_closed = False  # the engine's pollers stopped and the lock released
         self.hung_up = False
         self._evaluate_seen: tuple[str, str] | None = None
         self.theme_errors: list[str] = []
@@ -172,6 +178,20 @@ class ConsoleApp(JobActions, App[int]):
             pass
         self._check_ctty = terminal_alive(check_ctty=True)
         self.set_interval(TTY_CHECK_S, self._check_terminal, name="tty-watchdog")
+        # A terminal that hangs up sends SIGCONT along with SIGHUP, and Textual answers SIGCONT
+        # (the return from Ctrl+Z) by starting application mode again: on a dead terminal, or
+        # once the console is closing, that starts a new input thread that spins on EOF and,
+        # not being a daemon, keeps the process alive after the app has closed.
+        resume = signal.getsignal(signal.SIGCONT)
+        if callable(resume):
+            def on_sigcont(signum, frame) -> None:
+                if not self._closed and terminal_alive(check_ctty=self._check_ctty):
+                    resume(signum, frame)
+
+            try:
+                signal.signal(signal.SIGCONT, on_sigcont)
+            except ValueError:  # not the main thread
+                pass
 
     def _check_terminal(self) -> None:
         if not terminal_alive(check_ctty=self._check_ctty):
@@ -193,6 +213,7 @@ class ConsoleApp(JobActions, App[int]):
         if self._unsubscribe is not None:
             self._unsubscribe()
         await self.engine.close()
+        self.engine_closed = True
 
     # -- engine events -> pane messages
     def _on_engine_event(self, event) -> None:
@@ -368,6 +389,40 @@ def terminal_alive(check_ctty: bool = True) -> bool:
     return True
 
 
+def start_terminal_guard(app: ConsoleApp) -> threading.Thread | None:
+    """End the process once its terminal is gone and the app has closed its engine, or once the
+    terminal has been gone TTY_GONE_EXIT_S, whatever the console is doing.
+
+    The app closes itself on SIGHUP or its own tty check, but only while its event loop runs,
+    and the process then still waits for a check's thread to finish (seconds of imports) before
+    it can exit; a console whose terminal goes while it quits got no SIGHUP handling at all.
+    This daemon thread does not depend on the loop (it keeps running while the interpreter waits
+    for other threads at exit). os._exit closes every file, so the kernel drops the workspace
+    lock even if the engine never released it; jobs are detached processes and keep running.
+    Nothing is started when there is no terminal to lose (stdin not a tty).
+    """
+    if not terminal_alive(check_ctty=False):
+        return None
+    check_ctty = terminal_alive(check_ctty=True)
+
+    def guard() -> None:
+        gone_since = None
+        while True:
+            time.sleep(TTY_GUARD_S)
+            if terminal_alive(check_ctty=check_ctty):
+                gone_since = None
+                continue
+            now = time.monotonic()
+            if gone_since is None:
+                gone_since = now
+            if app.engine_closed or now - gone_since >= TTY_GONE_EXIT_S:
+                os._exit(0)  # nobody is left to read anything; the lock goes with the process
+
+    thread = threading.Thread(target=guard, name="tty-guard", daemon=True)
+    thread.start()
+    return thread
+
+
 def describe_holder(holder) -> str:
     """Who drives the workspace, short enough for an 80-column header."""
     if holder is None:
@@ -395,6 +450,7 @@ def run_console(ws, read_only: bool = False) -> int:
 
     engine = Engine(ws, drive=not read_only)
     app = ConsoleApp(engine)
+    start_terminal_guard(app)
     app.run()
     if app.hung_up:
         return 0  # nobody is left to read a summary; the jobs keep running regardless
