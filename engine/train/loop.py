@@ -274,6 +274,7 @@ class Trainer:
         self.optim.load_state_dict(state["optim"])
         self.sched.load_state_dict(state["sched"])
         self.step = int(state["step"])
+        self._apply_config_learning_rate()
         self.best_sim_al = float(state["best_sim_al"])
         self.best_step = state.get("best_step")
         if self.is_main and self.best_step is not None and (ckpt.best(self.out_dir) or {}).get("step") != self.best_step:
@@ -283,6 +284,20 @@ class Trainer:
         if self.gpu and state["rng"]["cuda"] is not None:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.event("resumed", step=self.step)
+
+    def _apply_config_learning_rate(self) -> None:
+        """The checkpoint restores the learning rate it was taken with; train.learning_rate wins (lowering it
+        and resuming is the fix a blown-up run names). Unchanged, the resume stays exact."""
+        lr = float(self.cfg.learning_rate)
+        if all(base == lr for base in self.sched.base_lrs):
+            return
+        old = self.sched.base_lrs[0]
+        self.sched.base_lrs = [lr] * len(self.sched.base_lrs)
+        for group, lmbda in zip(self.optim.param_groups, self.sched.lr_lambdas):
+            group["initial_lr"] = lr
+            group["lr"] = lr * lmbda(self.sched.last_epoch)
+        self.sched._last_lr = [group["lr"] for group in self.optim.param_groups]
+        self.event("learning_rate_changed", step=self.step, old=old, new=lr)
 
     def _trim_metrics(self) -> None:
         """Metric lines after the checkpoint are redone by the resumed run: drop them (no duplicates)."""
@@ -388,6 +403,13 @@ class Trainer:
             self.event("checkpoint_skipped", step=self.step, reason="non-finite loss, gradients or weights")
             return
         summary = self.evaluate()
+        if summary is not None and not math.isfinite(summary["loss"]):
+            # Finite but huge weights (a far too high learning rate) overflow in the forward: the eval
+            # says so before the next step does. Logged, not checkpointed.
+            self.metric({"type": "eval", "step": self.step, "epoch": self.step / self.steps_per_epoch,
+                         "t": time.time(), **summary})
+            self.event("checkpoint_skipped", step=self.step, reason=f"eval loss {summary['loss']}")
+            return
         source = summary or train_summary
         if summary is not None:
             self.metric({"type": "eval", "step": self.step, "epoch": self.step / self.steps_per_epoch,

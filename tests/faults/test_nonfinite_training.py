@@ -122,6 +122,45 @@ def test_a_learning_rate_that_blows_up_stops_after_n_nonfinite_steps(tiny_model_
           f"in {time.perf_counter() - started:.1f} s")
 
 
+def test_a_blow_up_after_good_checkpoints_keeps_them_and_a_saner_rate_resumes(tiny_model_dir, hidden_run, tmp_path):
+    """Checkpoints are attempted every step while it blows up: none of them is taken (the update of the
+    first step made the weights non-finite while its own loss was still finite). Resuming with a sane
+    rate continues from the last good checkpoint and clears the failure."""
+    from engine.checks.base import Status
+    from engine.checks.context import CheckContext
+    from engine.checks.train import check_train
+    from engine.train import checkpoint as ckpt
+    from engine.train.loop import NONFINITE_LIMIT, Trainer, TrainError
+
+    torch.set_num_threads(1)
+    ws = _train_ws(tmp_path / "ws", tiny_model_dir, hidden_run, save_every=1)
+    Trainer(ws, device="cpu", max_steps=3).run()
+    assert ckpt.latest(ws.drafter_dir)["step"] == 3
+    ws.config.train.learning_rate = 1e30
+    blown = Trainer(ws, device="cpu", resume=True)
+    with pytest.raises(TrainError, match=r"resumes from the checkpoint of step 3") as failure:
+        blown.run()
+    assert blown.step == 3 + 1 + NONFINITE_LIMIT, str(failure.value)  # one finite step broke the weights
+    assert ckpt.latest(ws.drafter_dir)["step"] == 3 and ckpt.best(ws.drafter_dir)["step"] <= 3
+    state = ckpt.load(ws.drafter_dir)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    results = check_train(CheckContext(ws))
+    assert results[0].status is Status.FAIL and f"step {blown.step}" in results[0].evidence, results
+    assert "resumes from the checkpoint of step 3" in results[0].fix
+
+    ws.config.train.learning_rate = 1e-2
+    resumed = Trainer(ws, device="cpu", resume=True, max_steps=2)
+    assert resumed.run() == 0 and resumed.step == 5
+    rows = strict_lines(ws.drafter_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
+    assert all(r["type"] != "failed" for r in rows)
+    assert all(math.isfinite(as_number(r["loss"])) for r in rows if r["type"] in ("train", "eval"))
+    evidence = check_train(CheckContext(ws))[0].evidence
+    assert "stopped" not in evidence and "5 steps" in evidence, evidence
+    ledger.add("non-finite training after checkpoints", trials=1, faults=NONFINITE_LIMIT + 1, records=len(rows),
+               losses=0)
+
+
 @pytest.mark.parametrize("value", [math.inf, math.nan, 0.0, -1e-3])
 def test_a_learning_rate_that_is_not_finite_positive_is_refused_before_the_first_step(
         tiny_model_dir, hidden_run, tmp_path, value):
