@@ -221,3 +221,7 @@ def lock_held_by_another_process(directory: Path, name: str):
         holder.kill()
         holder.wait()
         holder.stdout.close()
+
+
+# SGLang 0.5.23's own code for the tests that hand it our artifacts (tests/sglang_judge/).
+from sglang_judge.wheel import sglang_cache, sglang_importable, sglang_src, sglang_wheel  # noqa: E402,F401

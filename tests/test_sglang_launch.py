@@ -1,13 +1,11 @@
 """SGLang launch spec, version policy, preflight pieces, and our argv against SGLang 0.5.23 itself.
 
-Real SGLang: the 0.5.23 wheel is downloaded once (pip, cached in pytest's cache dir or
-$EAGLE3_SGLANG_CACHE) and
+Real SGLang (fixtures in tests/sglang_judge/wheel.py): the 0.5.23 wheel, and
   - its argument definitions are read with `ast` (arg_groups/fields/*.py) to check every
     flag we emit, and the ForwardBatch/hook-manager names the hook relies on;
   - `ServerArgs.add_cli_args(parser); parser.parse_args(argv)` runs in a subprocess against
-    the wheel installed with --no-deps into the cache plus the small pure-Python packages
-    its import chain needs. `triton` has no CPU build, so a stand-in module is placed in
-    sys.modules first (SGLang imports it unconditionally; the parser never uses it).
+    the wheel installed with --no-deps plus the small pure-Python packages its import chain
+    needs; native kernel packages without a CPU build are stood in for (native_stubs.py).
 Without network the SGLang-source tests skip with the reason. No GPU here: the compute
 capability is passed in rather than read from NVML.
 """
@@ -17,9 +15,7 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,90 +26,8 @@ from engine.sglang.launch import HOOK_FACTORY, build_sglang_spec
 from engine.sglang.versions import UnsupportedSglangError, aux_layer_flag_ids, detect_profile, profile_for
 from engine.workspace import init_workspace
 
-VERSION = "0.5.23"
-PARSER_DEPS = ["orjson", "pybase64", "requests", "pillow", "msgspec", "pyzmq", "ipython", "aiohttp"]
-TRITON_STUB = '''
-import sys, types
-class _Any:
-    def __init__(self, *a, **k): pass
-    def __call__(self, *a, **k):
-        return a[0] if len(a) == 1 and callable(a[0]) and not k else _Any()
-    def __getattr__(self, name):
-        if name.startswith("__"): raise AttributeError(name)
-        return _Any()
-    def __getitem__(self, key): return _Any()
-    def __iter__(self): return iter(())
-    def __bool__(self): return False
-class _Stub(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"): raise AttributeError(name)
-        return _Any()
-for name in ["triton", "triton.language", "triton.runtime", "triton.runtime.jit", "triton.language.extra",
-             "triton.language.extra.libdevice", "triton.testing", "triton.tools", "triton.backends", "triton.compiler"]:
-    module = _Stub(name); module.__path__ = []; module.__version__ = "3.0.0"; sys.modules[name] = module
-'''
-
-
+from sglang_judge.wheel import VERSION, run_with_sglang
 # ----------------------------------------------------------------------------- fixtures
-
-
-def _pip(*args: str, timeout: float = 600) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True,
-                   timeout=timeout, capture_output=True)
-
-
-@pytest.fixture(scope="session")
-def sglang_cache(request, tmp_path_factory) -> Path:
-    """Where the SGLang wheel and its parser's packages are kept: $EAGLE3_SGLANG_CACHE, pytest's
-    cache (kept between runs), or a temporary folder when the cache plugin is off (CI)."""
-    explicit = os.environ.get("EAGLE3_SGLANG_CACHE")
-    if explicit:
-        return Path(explicit)
-    cache = getattr(request.config, "cache", None)
-    if cache is not None:
-        return Path(cache.mkdir(f"sglang-{VERSION}"))
-    return tmp_path_factory.mktemp(f"sglang-{VERSION}")
-
-
-@pytest.fixture(scope="session")
-def sglang_wheel(sglang_cache) -> Path:
-    wheels = sorted(sglang_cache.glob(f"sglang-{VERSION}-*.whl"))
-    if not wheels:
-        try:
-            _pip("download", "--no-deps", f"sglang=={VERSION}", "-d", str(sglang_cache), timeout=300)
-        except (subprocess.SubprocessError, OSError) as exc:
-            pytest.skip(f"cannot download the sglang {VERSION} wheel (no network to PyPI?): {exc}")
-        wheels = sorted(sglang_cache.glob(f"sglang-{VERSION}-*.whl"))
-    if not wheels:
-        pytest.skip(f"pip download produced no sglang {VERSION} wheel")
-    return wheels[0]
-
-
-@pytest.fixture(scope="session")
-def sglang_src(sglang_wheel, sglang_cache) -> Path:
-    src = sglang_cache / "src"
-    marker = src / ".complete"
-    if not marker.exists():
-        with zipfile.ZipFile(sglang_wheel) as wheel:
-            for name in wheel.namelist():
-                if name.startswith(("sglang/srt/arg_groups/", "sglang/srt/model_executor/", "sglang/srt/constants.py")):
-                    wheel.extract(name, src)
-        marker.write_text("ok")
-    return src / "sglang" / "srt"
-
-
-@pytest.fixture(scope="session")
-def sglang_importable(sglang_wheel, sglang_cache) -> list[str]:
-    pkg, deps = sglang_cache / "pkg", sglang_cache / "deps"
-    marker = sglang_cache / ".installed"
-    if not marker.exists():
-        try:
-            _pip("install", "--no-deps", "--target", str(pkg), str(sglang_wheel))
-            _pip("install", "--target", str(deps), *PARSER_DEPS)
-        except (subprocess.SubprocessError, OSError) as exc:
-            pytest.skip(f"cannot install sglang's parser dependencies into {sglang_cache}: {exc}")
-        marker.write_text("ok")
-    return [str(pkg), str(deps)]
 
 
 @pytest.fixture()
@@ -334,9 +248,9 @@ def test_hook_relies_only_on_names_sglang_defines(sglang_src):
 def test_argv_parsed_by_sglang_parser(ws, sglang_importable):
     configure(ws, server__api_key="k", server__nnodes=2, server__dist_init_addr="h:1", model__dtype="bfloat16")
     argv = spec_for(ws, cc=(12, 0)).argv
-    script = TRITON_STUB + f'''
-import argparse, json
-sys.path.extend({sglang_importable!r})
+    script = '''
+import argparse, json, sys
+import native_stubs
 from sglang.srt.server_args import ServerArgs
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
@@ -345,13 +259,11 @@ keys = ["model_path", "tp_size", "disable_radix_cache", "disable_prefill_cuda_gr
         "enforce_disable_flashinfer_allreduce_fusion", "enable_return_aux_hidden_states", "speculative_algorithm",
         "return_aux_hidden_state_layer_ids", "forward_hooks", "attention_backend", "nnodes", "dist_init_addr",
         "skip_server_warmup", "api_key", "dtype"]
-print("PARSED " + json.dumps({{k: getattr(ns, k) for k in keys}}))
+print("PARSED " + json.dumps({k: getattr(ns, k) for k in keys}))
 '''
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(argv[3:])], capture_output=True, text=True,
-                          timeout=120, env=env)
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("PARSED ")), None)
-    assert line, done.stderr[-3000:]
+    stdout = run_with_sglang(sglang_importable, script, json.dumps(argv[3:]), timeout=120)
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("PARSED ")), None)
+    assert line, stdout[-3000:]
     parsed = json.loads(line[len("PARSED "):])
     assert parsed["model_path"] == str(ws.model_dir) and parsed["tp_size"] == 2
     assert parsed["disable_radix_cache"] and parsed["disable_prefill_cuda_graph"] and parsed["enable_metrics"]
