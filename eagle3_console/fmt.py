@@ -5,6 +5,15 @@ from __future__ import annotations
 import math
 
 
+def finite(value) -> float | None:
+    """`value` as a finite float, else None (missing, not a number, NaN or inf: nothing to compute with)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def fmt_duration(seconds: float | int | None) -> str:
     """61 -> "1m01s", 3720 -> "1h02m", 200000 -> "2d07h"; None, NaN, inf -> "?"."""
     if seconds is None or not math.isfinite(seconds):

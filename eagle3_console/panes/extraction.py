@@ -18,7 +18,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import ProgressBar, Sparkline, Static
 
-from eagle3_console.fmt import fmt_count, fmt_duration
+from eagle3_console.fmt import finite, fmt_count, fmt_duration
 from eagle3_console.messages import DiskChanged, JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
@@ -106,11 +106,12 @@ class ExtractionView:
         kind = event.get("type")
         if kind == "progress":
             for key in ("done", "total", "tokens", "total_tokens", "bytes", "bad"):
-                if isinstance(event.get(key), (int, float)):
+                if isinstance(event.get(key), (int, float)) and finite(event[key]) is not None:
                     setattr(self, key, int(event[key]))
-            self.tokens_per_s = event.get("tokens_per_s")
-            self.mb_per_s = event.get("mb_per_s")
-            self.eta_s = event.get("eta_s")
+            # NaN/inf (logged as "NaN"/"Infinity") read as unknown: "?" and a zero in the sparkline.
+            self.tokens_per_s = finite(event.get("tokens_per_s"))
+            self.mb_per_s = finite(event.get("mb_per_s"))
+            self.eta_s = finite(event.get("eta_s"))
             self.paused = str(event.get("paused") or "")
             self.output_mount = str(event.get("output_mount") or self.output_mount)
             self.tok_history.append(float(self.tokens_per_s or 0.0))
@@ -121,10 +122,10 @@ class ExtractionView:
             self.phase = "planning"
         elif kind == "started":
             self.phase = "running"
-            self.total = int(event.get("samples") or self.total)
+            self.total = int(finite(event.get("samples")) or self.total)
             self.budget = str(event.get("budget") or "")
-            self.truncated = int(event.get("truncated") or 0)
-            self.resumed = int(event.get("resumed") or 0)
+            self.truncated = int(finite(event.get("truncated")) or 0)
+            self.resumed = int(finite(event.get("resumed")) or 0)
         elif kind == "paused":
             self.phase, self.paused = "paused", str(event.get("reason") or "paused")
         elif kind == "resumed":

@@ -7,6 +7,7 @@ from collections import deque
 from textual.app import ComposeResult
 from textual.widgets import Static
 
+from eagle3_console.fmt import finite
 from eagle3_console.messages import GpuChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import bar, clip, esc, level_colour, set_markup
@@ -31,7 +32,8 @@ HISTORY = 60  # utilisation samples kept per GPU (one per sample, 1 Hz by defaul
 def spark_text(values, width: int) -> str:
     """The last `width` percentages as a one-line sparkline (0..100 scale), padded on the left."""
     recent = list(values)[-width:]
-    cells = "".join(SPARK_CHARS[min(7, max(0, round(v * 7 / 100)))] if v is not None else " " for v in recent)
+    cells = "".join(SPARK_CHARS[min(7, max(0, round(v * 7 / 100)))] if finite(v) is not None else " "
+                    for v in recent)
     return cells.rjust(width)
 
 

@@ -14,7 +14,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Sparkline, Static
 
-from eagle3_console.fmt import fmt_duration, fmt_num
+from eagle3_console.fmt import finite, fmt_duration, fmt_num
 from eagle3_console.messages import ServerActionFailed, ServerChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
@@ -136,7 +136,7 @@ class ServerPane(Pane):
     def on_server_changed(self, message: ServerChanged) -> None:
         status = message.status
         if status.state == "ready":
-            self.throughput.append(float(status.gen_throughput or 0.0))
+            self.throughput.append(finite(status.gen_throughput) or 0.0)  # a NaN gauge draws as 0
             self.failure = None  # a running server supersedes an older start failure
         elif self.status is not None and self.status.state == "ready":
             self.throughput.append(0.0)  # the drop is part of the story

@@ -29,7 +29,7 @@ from textual.color import Color
 from textual.containers import Horizontal
 from textual.widgets import Static
 
-from eagle3_console.fmt import fmt_count, fmt_duration, fmt_num
+from eagle3_console.fmt import finite, fmt_count, fmt_duration, fmt_num
 from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetricsRead
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import esc, set_markup
@@ -86,22 +86,13 @@ def read_pointer(path: Path) -> dict | None:
         return None
 
 
-def _float(value) -> float | None:
-    """A finite number, else None (missing, not a number, NaN or inf: nothing to plot or compare)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
-
-
 @dataclass
 class Series:
     steps: list[float] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
 
     def add(self, step: float, value) -> None:
-        number = _float(value)
+        number = finite(value)
         if number is not None:
             self.steps.append(step)
             self.values.append(number)
@@ -132,14 +123,14 @@ class TrainingView:
     failure: dict = field(default_factory=dict)  # the `failed` line a run that failed ends with
 
     def add(self, record: dict) -> None:
-        step = _float(record.get("step"))
+        step = finite(record.get("step"))
         if step is None:
             return
         kind = record.get("type", "train")
         if kind == "failed":
             self.failure = record
             return
-        al = _float(record.get("sim_al"))
+        al = finite(record.get("sim_al"))
         if kind == "eval":
             self.last_eval = record
             self.eval_loss.add(step, record.get("loss"))
@@ -152,7 +143,7 @@ class TrainingView:
             if isinstance(acc, list):
                 for pos, value in enumerate(acc):
                     self.acc.setdefault(pos, Series()).add(step, value)
-            t = _float(record.get("t"))
+            t = finite(record.get("t"))
             if t is not None:
                 self.rate_points = (self.rate_points + [(t, step)])[-20:]
         if al is not None and (self.best_al is None or al > self.best_al):
@@ -160,7 +151,7 @@ class TrainingView:
 
     @property
     def step(self) -> int | None:
-        steps = [_float(r.get("step")) for r in (self.last_train, self.last_eval) if r]
+        steps = [finite(r.get("step")) for r in (self.last_train, self.last_eval) if r]
         steps = [s for s in steps if s is not None]
         return int(max(steps)) if steps else None
 
@@ -348,7 +339,7 @@ class TrainingPane(Pane):
         al = f"sim AL [b]{fmt_num(tr.get('sim_al'))}[/b]" + (f" (eval {fmt_num(ev.get('sim_al'))})" if ev else "")
         lines = [f"{loss} · {al}", f"acc/pos {acc_text}"]
         lines.append(f"lr {_sci(tr.get('lr'))} · grad {fmt_num(tr.get('grad_norm'))} · "
-                     f"{fmt_count(_float(tr.get('tokens_per_s')))} tok/s")
+                     f"{fmt_count(finite(tr.get('tokens_per_s')))} tok/s")
         best_al = self.best_ckpt.get("sim_al") if self.best_ckpt else v.best_al
         best_step = self.best_ckpt.get("step") if self.best_ckpt else v.best_step
         best = f"best AL [b][$success]{fmt_num(best_al)}[/][/b] @ step {best_step}" if best_al is not None else ""
@@ -399,7 +390,7 @@ class TrainingPane(Pane):
 
     @property
     def best_acceptance_length(self) -> float | None:
-        if self.best_ckpt and _float(self.best_ckpt.get("sim_al")) is not None:
+        if self.best_ckpt and finite(self.best_ckpt.get("sim_al")) is not None:
             return float(self.best_ckpt["sim_al"])
         return self.view.best_al
 

@@ -306,8 +306,12 @@ def test_screenshot_of_the_training_tab_on_nan_metrics(tmp_path):
         assert "training stopped at step 4" in svg and "step 4" in svg, size
 
 
-def test_formatting_helpers_render_nonfinite_numbers():
+def test_the_other_panes_take_nonfinite_numbers():
+    """Shared formats, the GPU sparkline and the extraction view: NaN/inf as numbers (bare, from
+    older files) and as text (how JSONL writes them now) are unknown, never a crash."""
     from eagle3_console.fmt import fmt_count, fmt_duration, fmt_num
+    from eagle3_console.panes.extraction import ExtractionView
+    from eagle3_console.panes.gpu import spark_text
     from eagle3_console.render import bar, level_colour
 
     for value in (math.nan, math.inf, -math.inf):
@@ -316,3 +320,11 @@ def test_formatting_helpers_render_nonfinite_numbers():
         assert fmt_num(value) in ("nan", "inf", "-inf")
         assert "╌" in bar(value, 10)  # an unknown value: the muted track
         assert level_colour(value, 80, 95) == "$text-muted"
+    assert spark_text([50.0, math.nan, math.inf, 100.0], 4) == spark_text([50.0], 1) + "  █"
+    view = ExtractionView()
+    view.apply({"type": "started", "samples": 40, "truncated": math.nan})
+    for value in (math.nan, "NaN", "Infinity", math.inf):
+        view.apply({"type": "progress", "done": 10, "total": 40, "tokens": value, "bytes": value,
+                    "tokens_per_s": value, "mb_per_s": value, "eta_s": value})
+    assert (view.total, view.done, view.tokens_per_s, view.mb_per_s, view.eta_s) == (40, 10, None, None, None)
+    assert list(view.tok_history) == [0.0] * 4 and view.remaining_bytes is None
