@@ -177,6 +177,56 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
         list(iter_samples(tmp_path / "nope.jsonl"))
 
 
+def _padded(size: int) -> str:
+    """A messages line of exactly `size` bytes (UTF-8, newline excluded)."""
+    head = json.dumps({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "ok"}]})
+    pad = size - len(head.encode())
+    assert pad >= 0
+    return json.dumps({"messages": [{"role": "user", "content": "x" * pad}, {"role": "assistant", "content": "ok"}]})
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_line_over_the_byte_cap_stops_the_read_naming_line_size_and_cap(tmp_path: Path, monkeypatch, policy) -> None:
+    from engine.dataset import formats
+
+    cap = 1000
+    monkeypatch.setattr(formats, "MAX_LINE_BYTES", cap, raising=False)
+    monkeypatch.setattr(formats, "_SKIP_CHUNK", 64, raising=False)  # the rest of the line is read in many small pieces
+    good = json.dumps({"messages": CONV})
+    assert len(good.encode()) <= cap
+    at_cap, crlf_at_cap = _padded(cap), _padded(cap) + "\r"
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(("\n".join([good, at_cap, crlf_at_cap, good, _padded(5000), good]) + "\n").encode())
+    reader = iter_samples(path, on_bad_line=policy)
+    seen = []
+    with pytest.raises(DatasetError) as info:
+        for sample in reader:
+            seen.append(sample.line)
+    assert seen == [1, 2, 3, 4]  # a line of exactly the cap (with LF or CRLF) is read
+    message = str(info.value)
+    assert message.startswith(f"{path}:5: ") and "4.9 KiB (5,000 bytes)" in message and "1000 B" in message, message
+    assert "per-line cap" in message and "shorten or remove line 5" in message, message
+    assert reader.bad_count == 0  # not skipped as a bad line: the read stops
+    # Over the cap on the last line, with no newline at the end of the file.
+    path.write_bytes((good + "\n" + _padded(cap + 1)).encode())
+    with pytest.raises(DatasetError, match=r":2: line 2 is 1001 B, over the 1000 B per-line cap"):
+        list(iter_samples(path, on_bad_line=policy))
+    # A file that is one JSON document (a JSON array) rather than JSONL says so.
+    path.write_text(json.dumps([{"messages": CONV}] * 20) + "\n")
+    with pytest.raises(DatasetError, match="one JSON document rather than JSONL"):
+        list(iter_samples(path))
+
+
+def test_extraction_plan_reads_through_the_same_cap(tmp_path: Path, gen_model: Path, monkeypatch) -> None:
+    from engine.dataset import formats
+    from engine.extract.plan import build_plan
+
+    monkeypatch.setattr(formats, "MAX_LINE_BYTES", 1000, raising=False)
+    ws = make_workspace(tmp_path / "ws", gen_model, [{"messages": CONV}, _padded(3000), {"messages": CONV}])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:2: line 2 is 2\.9 KiB .*over the 1000 B per-line cap"):
+        build_plan(ws)
+
+
 # ---------------------------------------------------------------------------- tokenising
 
 
@@ -279,6 +329,68 @@ def test_stage_fails_on_stop_policy_and_missing_files(tmp_path: Path, gen_model:
     ws.save_config(cfg)
     (result,) = check_dataset(CheckContext(ws))
     assert result.status is Status.FAIL and "does not exist" in result.evidence
+
+
+def test_stage_fails_on_a_line_over_the_cap_with_the_line_and_a_fix(tmp_path: Path, gen_model: Path,
+                                                                     monkeypatch) -> None:
+    from engine.checks.dataset import check_dataset
+    from engine.dataset import formats
+
+    monkeypatch.setattr(formats, "MAX_LINE_BYTES", 1000, raising=False)
+    ws = make_workspace(tmp_path / "ws", gen_model, [{"messages": CONV}] * 3 + [_padded(4000), {"messages": CONV}])
+    (result,) = check_dataset(CheckContext(ws))
+    assert result.name == "dataset_parse" and result.status is Status.FAIL
+    assert result.evidence.startswith(f"{ws.root / 'train.jsonl'}:4: line 4 is 3.9 KiB (4,000 bytes)"), result.evidence
+    assert "1000 B per-line cap" in result.evidence and "shorten or remove line 4" in result.fix, result
+    assert load_cached_stats(ws) is None
+
+
+def test_stats_tokenise_in_batches_bounded_in_characters(tmp_path: Path, gen_model: Path, monkeypatch) -> None:
+    from engine.dataset import stats as stats_module
+
+    calls: list[int] = []
+    real = stats_module.tokenize_batch
+
+    def spy(tokenizer, conversations, *args, **kwargs):
+        calls.append(sum(len(m["content"]) for conv in conversations for m in conv))
+        return real(tokenizer, conversations, *args, **kwargs)
+
+    monkeypatch.setattr(stats_module, "tokenize_batch", spy)
+    monkeypatch.setattr(stats_module, "BATCH_CHARS", 2000, raising=False)
+    long_conv = [{"role": "user", "content": "hello " * 500}, {"role": "assistant", "content": "world"}]  # 3,005 chars
+    path = write_jsonl(tmp_path / "t.jsonl", [{"messages": CONV}] * 40 + [{"messages": long_conv}] * 3 + [{"messages": CONV}] * 5)
+    result = stats_module.compute_stats(path, load_tokenizer(gen_model), 128)
+    assert result.samples == 48 and len(calls) > 3
+    assert max(calls) <= 3005, calls  # a batch holds at most 2,000 chars, or one longer sample alone
+    assert sum(calls) == sum(len(m["content"]) for conv in [CONV] * 45 + [long_conv] * 3 for m in conv)
+
+
+def test_truncation_fix_never_suggests_more_than_the_model_reads(tmp_path: Path, gen_model: Path) -> None:
+    from engine.checks.dataset import check_dataset
+
+    positions = json.loads((gen_model / "config.json").read_text())["max_position_embeddings"]
+    long_conv = [{"role": "user", "content": "hello " * 3000}, {"role": "assistant", "content": "world"}]
+    ws = make_workspace(tmp_path / "ws", gen_model, [{"messages": CONV}] * 3 + [{"messages": long_conv}], max_len=128)
+    results = by_name(check_dataset(CheckContext(ws)))
+    truncation = results["dataset_truncation"]
+    assert truncation.status is Status.WARN and f"longest {load_cached_stats(ws)['longest']:,}" in truncation.evidence
+    assert load_cached_stats(ws)["longest"] > positions
+    assert f"at most to {positions}" in truncation.fix and "max_position_embeddings" in truncation.fix, truncation.fix
+    numbers = [int(n.replace(",", "")) for n in __import__("re").findall(r"\b\d[\d,]*\b", truncation.fix)]
+    assert max(numbers) <= positions, truncation.fix
+    # Already at the model's length: raising max_seq_len does not help, and the fix says so.
+    cfg = ws.config
+    cfg.dataset.max_seq_len = positions
+    ws.save_config(cfg)
+    fix = by_name(check_dataset(CheckContext(ws)))["dataset_truncation"].fix
+    assert "does not help" in fix and str(positions) in fix, fix
+    # A sample that fits the model: the exact length that keeps everything, as before.
+    ws = make_workspace(tmp_path / "ws2", gen_model, [{"messages": CONV}] * 3 + [{"messages": [
+        {"role": "user", "content": "hello " * 100}, {"role": "assistant", "content": "world"}]}], max_len=64)
+    stats_longest = None
+    truncation = by_name(check_dataset(CheckContext(ws)))["dataset_truncation"]
+    stats_longest = load_cached_stats(ws)["longest"]
+    assert stats_longest <= positions and f"to {stats_longest} keeps everything" in truncation.fix, truncation.fix
 
 
 def test_stage_is_registered_in_the_pipeline() -> None:

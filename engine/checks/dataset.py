@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
-from engine.dataset.formats import BadLineError, DatasetError
+from engine.dataset.formats import BadLineError, DatasetError, LineTooLongError
 from engine.dataset.stats import DatasetStats, compute_stats, histogram_text
 from engine.dataset.tokenize import TokenizerError, load_tokenizer
 from engine.datastats import file_fingerprint, write_stats
@@ -50,7 +50,29 @@ def _ids_note(stats: DatasetStats) -> str:
     return f"; ids derived as s<index> for {parts}"
 
 
-def _results_for(label: str, stats: DatasetStats) -> list[CheckResult]:
+def _model_positions(model_dir: Path) -> int | None:
+    """The target's max_position_embeddings, or None when unknown."""
+    from engine.checks.model import read_model_config
+
+    try:
+        value = read_model_config(model_dir).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _truncation_fix(stats: DatasetStats, positions: int | None) -> str:
+    """What to do about samples over max_seq_len; never a length past what the model reads."""
+    if positions is None or stats.longest <= positions:
+        return f"raise dataset.max_seq_len (to {stats.longest} keeps everything) or accept the cut"
+    if stats.max_seq_len < positions:
+        return (f"raise dataset.max_seq_len, at most to {positions} (the model's max_position_embeddings: "
+                "longer samples cannot fit whole), or accept the cut; shorten or drop samples far past it")
+    return (f"accept the cut, or shorten those samples: the model reads at most {positions} positions "
+            "(max_position_embeddings), so a larger dataset.max_seq_len does not help")
+
+
+def _results_for(label: str, stats: DatasetStats, positions: int | None = None) -> list[CheckResult]:
     """Checks on one parsed, tokenised file (label: dataset or eval)."""
     if stats.samples == 0:
         return [failed(f"{label}_parse", f"{stats.file}: no usable samples ({stats.bad_count} malformed lines)",
@@ -68,7 +90,7 @@ def _results_for(label: str, stats: DatasetStats) -> list[CheckResult]:
             f"{label}_truncation",
             f"{stats.over_max_len:,} of {stats.samples:,} samples exceed max_seq_len {stats.max_seq_len:,}; "
             f"truncation cuts {stats.truncated_tokens:,} tokens (longest {stats.longest:,})",
-            f"raise dataset.max_seq_len (to {stats.longest} keeps everything) or accept the cut"))
+            _truncation_fix(stats, positions)))
     else:
         results.append(passed(f"{label}_truncation", f"all samples fit in max_seq_len {stats.max_seq_len:,} "
                                                      f"(longest {stats.longest:,})"))
@@ -82,15 +104,17 @@ def _results_for(label: str, stats: DatasetStats) -> list[CheckResult]:
     return results
 
 
-def _scan(label: str, path: Path, tokenizer, cfg) -> tuple[DatasetStats | None, list[CheckResult]]:
+def _scan(label: str, path: Path, tokenizer, cfg, positions: int | None = None) -> tuple[DatasetStats | None, list[CheckResult]]:
     try:
         stats = compute_stats(path, tokenizer, cfg.max_seq_len, cfg.format, cfg.on_bad_line)
     except BadLineError as exc:
         return None, [failed(f"{label}_parse", str(exc.bad),
                              "fix the line, or set dataset.on_bad_line = \"skip\" to count and skip bad lines")]
+    except LineTooLongError as exc:
+        return None, [failed(f"{label}_parse", exc.evidence, exc.fix)]
     except DatasetError as exc:
         return None, [failed(f"{label}_parse", str(exc), "fix the file as described")]
-    return stats, _results_for(label, stats)
+    return stats, _results_for(label, stats, positions)
 
 
 def check_dataset(ctx: CheckContext) -> list[CheckResult]:
@@ -107,7 +131,8 @@ def check_dataset(ctx: CheckContext) -> list[CheckResult]:
     except TokenizerError as exc:
         return [failed("tokenizer", str(exc), "fix the `model` stage first (model.path, tokenizer files)")]
     fingerprint = file_fingerprint(path)
-    stats, results = _scan("dataset", path, tokenizer, cfg)
+    positions = _model_positions(ws.model_dir)
+    stats, results = _scan("dataset", path, tokenizer, cfg, positions)
     data = None
     if stats is not None:
         data = stats.to_dict()
@@ -118,7 +143,7 @@ def check_dataset(ctx: CheckContext) -> list[CheckResult]:
         if problem:
             results.append(problem)
         else:
-            eval_stats, eval_results = _scan("eval", eval_path, tokenizer, cfg)
+            eval_stats, eval_results = _scan("eval", eval_path, tokenizer, cfg, positions)
             results.extend(eval_results)
             if data is not None and eval_stats is not None:
                 data["eval"] = {**eval_stats.to_dict(), "dataset": file_fingerprint(eval_path)}

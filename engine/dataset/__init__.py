@@ -6,6 +6,7 @@ from engine.dataset.formats import (
     BadLineError,
     DatasetError,
     DatasetReader,
+    LineTooLongError,
     ParseReport,
     Sample,
     iter_samples,
@@ -20,7 +21,7 @@ from engine.dataset.tokenize import (
 )
 
 __all__ = [
-    "BadLine", "BadLineError", "DatasetError", "DatasetReader", "ParseReport", "Sample", "iter_samples",
+    "BadLine", "BadLineError", "DatasetError", "DatasetReader", "LineTooLongError", "ParseReport", "Sample", "iter_samples",
     "TokenizedSample", "TokenizerError", "load_tokenizer", "mask_method", "tokenize_batch",
     "tokenize_conversation",
 ]

@@ -5,6 +5,12 @@ roles system | user | assistant, or a `BadLine` naming the file, the line number
 reason. Nothing is dropped silently: with on_bad_line="skip" the bad lines are counted and
 the first ones kept with their reasons in a `ParseReport`; with "stop" the first one raises.
 
+Lines are read one at a time with a byte cap (MAX_LINE_BYTES): a longer line is never held in
+memory (the rest of it is skipped in small reads, only counted) and stops the read with a
+LineTooLongError naming the file, the line, its size and the cap, whatever on_bad_line says: a
+line that long is a broken file (a JSON array, lost line breaks) or a sample whose tokenisation
+alone would need gigabytes, and skipping it could silently drop most of a file.
+
 Format detection ("auto") looks at the first line that is a JSON object with one of the two
 keys; a later line in the other format is an error naming both lines (a file made by
 concatenating two datasets should be converted, not guessed at line by line).
@@ -13,10 +19,12 @@ concatenating two datasets should be converted, not guessed at line by line).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from engine.disk import fmt_bytes
 from engine.names import is_safe_name
 
 FORMATS = ("auto", "messages", "sharegpt")
@@ -27,6 +35,12 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 FORMAT_KEY = {"messages": "messages", "sharegpt": "conversations"}
 FORMAT_TITLE = {"messages": "OpenAI messages", "sharegpt": "ShareGPT conversations"}
 KEEP_BAD_LINES = 20  # reasons kept verbatim; the rest are counted
+# Bytes per line, newline excluded. Tokenising costs up to ~200 bytes of memory per byte of text
+# (the fast tokenizer's encoding and offsets, the id lists; measured with a byte-level BPE), so
+# 2 MiB bounds one sample at about half a GB while leaving room for conversations of ~500K
+# tokens, far past any max_seq_len a drafter trains on (a sample is cut to it anyway).
+MAX_LINE_BYTES = 2 << 20
+_SKIP_CHUNK = 1 << 20  # reads through an over-long line
 
 
 class DatasetError(Exception):
@@ -44,6 +58,25 @@ class BadLine:
 
     def to_dict(self) -> dict[str, Any]:
         return {"file": self.file, "line": self.line, "reason": self.reason}
+
+
+def _size_text(n: int) -> str:
+    return fmt_bytes(n) if n < 1024 else f"{fmt_bytes(n)} ({n:,} bytes)"
+
+
+class LineTooLongError(DatasetError):
+    """A line longer than MAX_LINE_BYTES: the read stops (it is not skipped as a bad line)."""
+
+    def __init__(self, file: str, line: int, size: int, cap: int, file_size: int | None = None):
+        whole = line == 1 and file_size is not None and size >= 0.9 * file_size
+        hint = (" The line is almost the whole file: is it one JSON document rather than JSONL "
+                "(one conversation per line)? Convert it." if whole else "")
+        self.file, self.line, self.size, self.cap = file, line, size, cap
+        self.evidence = (f"{file}:{line}: line {line} is {_size_text(size)}, over the {_size_text(cap)} "
+                         f"per-line cap of the dataset reader.{hint}")
+        self.fix = (f"shorten or remove line {line} of {file}: a sample is cut to dataset.max_seq_len tokens "
+                    "anyway, and tokenising one this long would take ~200 times its size in memory")
+        super().__init__(f"{self.evidence} Fix: {self.fix}")
 
 
 class BadLineError(DatasetError):
@@ -224,12 +257,13 @@ class DatasetReader:
         seen: set[str] = set()
         index = 0
         with handle:
-            for number, raw in enumerate(handle, start=1):
+            for number, raw in self._lines(handle):
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     self._bad(number, f"not UTF-8 ({exc.reason} at byte {exc.start})")
                     continue
+                del raw
                 if not text.strip():
                     continue  # blank lines (e.g. a trailing one) are not samples
                 try:
@@ -242,6 +276,32 @@ class DatasetReader:
                 self.report.samples += 1
                 yield Sample(index=index, id=sample_id, messages=messages, line=number)
                 index += 1
+
+    def _lines(self, handle) -> Iterator[tuple[int, bytes]]:
+        """(line number, bytes) per line; never reads more than MAX_LINE_BYTES + 2 bytes of one line."""
+        cap = MAX_LINE_BYTES
+        number = 0
+        while True:
+            raw = handle.readline(cap + 2)  # room for "\r\n" after a line of exactly `cap` bytes
+            if not raw:
+                return
+            number += 1
+            complete = raw.endswith(b"\n")
+            size = len(raw.rstrip(b"\r\n")) if complete else len(raw)
+            if size > cap:
+                while not complete:  # count the rest of the line without keeping it
+                    chunk = handle.readline(_SKIP_CHUNK)
+                    if not chunk:
+                        break
+                    complete = chunk.endswith(b"\n")
+                    size += len(chunk.rstrip(b"\r\n")) if complete else len(chunk)
+                del raw
+                try:
+                    file_size = os.fstat(handle.fileno()).st_size
+                except OSError:
+                    file_size = None
+                raise LineTooLongError(str(self.path), number, size, cap, file_size)
+            yield number, raw
 
     def _safe_id(self, given: str | None, index: int, number: int, seen: set[str]) -> str:
         """The line's id if it is a safe, unused file name; else derived `s<index:07d>`."""

@@ -1,6 +1,7 @@
 """Dataset statistics: counts, token lengths, truncation, assistant tokens, bad lines.
 
-`compute_stats` streams a file through the parser and the tokenizer in batches;
+`compute_stats` streams a file through the parser and the tokenizer in batches bounded in
+samples and in characters (memory stays bounded whatever the file: the reader caps a line);
 `histogram_text` renders the power-of-two length histogram for evidence and the UI.
 """
 
@@ -14,7 +15,11 @@ from typing import Any, Callable
 from engine.dataset.formats import DatasetReader
 from engine.dataset.tokenize import mask_method, tokenize_batch
 
-BATCH = 256
+BATCH = 256  # samples per tokenizer call
+# ...and at most this many characters of message text per call (one longer sample goes alone):
+# tokenising costs hundreds of bytes of memory per character, so 256 long samples at once
+# would need far more than any one of them.
+BATCH_CHARS = 2 << 20  # the reader's per-line cap (MAX_LINE_BYTES)
 SHOW_NO_TRAINABLE = 10
 UNLIMITED = 1 << 62  # ids of samples without a trainable token kept in the stats
 
@@ -72,8 +77,10 @@ def compute_stats(path: Path | str, tokenizer, max_seq_len: int, format: str = "
     method = mask_method(tokenizer)
     stats = DatasetStats(file=str(path), mask_method=method, max_seq_len=max_seq_len)
     pending: list = []
+    pending_chars = 0
 
     def flush() -> None:
+        nonlocal pending_chars
         # Tokenised uncut once; truncation is a slice, so both before/after counts are exact.
         tokenized = tokenize_batch(tokenizer, [s.messages for s in pending], UNLIMITED, method)
         for sample, tok in zip(pending, tokenized):
@@ -95,11 +102,16 @@ def compute_stats(path: Path | str, tokenizer, max_seq_len: int, format: str = "
                 if len(stats.no_trainable_ids) < SHOW_NO_TRAINABLE:
                     stats.no_trainable_ids.append(sample.id)
         pending.clear()
+        pending_chars = 0
         if progress is not None:
             progress(stats.samples)
 
     for sample in reader:
+        chars = sum(len(m["content"]) for m in sample.messages)
+        if pending and pending_chars + chars > BATCH_CHARS:
+            flush()
         pending.append(sample)
+        pending_chars += chars
         if len(pending) >= BATCH:
             flush()
     if pending:

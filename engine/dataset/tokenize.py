@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+# transformers logs "Token indices sequence length is longer than the specified maximum sequence
+# length" for any sample past model_max_length; we cut to max_seq_len ourselves and report it.
+_QUIET = {"verbose": False}
 
 
 class TokenizerError(Exception):
@@ -124,10 +127,10 @@ def tokenize_batch(tokenizer, conversations: list[list[dict[str, str]]], max_seq
     method = method or mask_method(tokenizer)
     if method == "generation":
         out: Any = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
-                                                 return_assistant_tokens_mask=True)
+                                                 return_assistant_tokens_mask=True, tokenizer_kwargs=_QUIET)
         return [_cut(ids, mask, max_seq_len) for ids, mask in zip(out["input_ids"], out["assistant_masks"])]
     texts = [_render(tokenizer, conv, False) for conv in conversations]
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, **_QUIET)
     results = []
     for conv, text, ids, offsets in zip(conversations, texts, enc["input_ids"], enc["offset_mapping"]):
         mask = _mask_from_offsets(offsets, assistant_spans(tokenizer, conv, text))
@@ -143,4 +146,4 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_seq_len
 def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of `messages` rendered with the generation prompt (what the server continues)."""
     text = _render(tokenizer, messages, True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=False, **_QUIET)["input_ids"])
