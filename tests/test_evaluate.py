@@ -537,3 +537,41 @@ def test_pane_and_report_do_not_import_torch():
     code = ("import sys; import eagle3_console.panes.evaluation, engine.evaluate.report, engine.checks.evaluate; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_export_with_wrong_layer_ids_cannot_pass_evaluation(pipeline, tmp_path):
+    """The off-by-one SGLang would serve (ids one too high for a Llama target) is refused by name
+    while the records exist; ids that select other layers, with the records gone, make the drafter
+    read the wrong states and its acceptance length collapses (a 4-layer target has only three
+    capturable layers, so 'other layers' is the same three in another order)."""
+    import shutil
+
+    from engine.jobs import JobManager
+    from engine.stagejobs import start_evaluate
+    from engine.workspace import Workspace
+
+    ws, untrained, trained, _ = pipeline
+    copy = Workspace(shutil.copytree(ws.root, tmp_path / "ws", ignore=shutil.ignore_patterns("jobs", "eval")))
+    config = copy.drafter_dir / "export" / "config.json"
+
+    def write_ids(ids):
+        data = json.loads(config.read_text())
+        data["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+        config.write_text(json.dumps(data))
+
+    write_ids([1, 2, 3])
+    jobs = JobManager(copy.jobs_dir)
+    job = start_evaluate(copy, jobs)
+    deadline = time.monotonic() + 90
+    while jobs.get(job.id).state in ("starting", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert jobs.get(job.id).state == "failed"
+    assert "serve the outputs of decoder layers [1, 2, 3] on LlamaForCausalLM, but its records hold layers " \
+           "[0, 1, 2]" in "\n".join(jobs.tail(job.id, 30))
+
+    write_ids([2, 1, 0])
+    (copy.hidden_dir / "run.json").rename(copy.hidden_dir / "run.json.away")
+    report, _ = _run_job(copy)
+    wrong = report["overall"]["acceptance_length"]
+    assert wrong < trained["overall"]["acceptance_length"] - 0.3, (wrong, trained["overall"])

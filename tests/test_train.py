@@ -124,7 +124,12 @@ def test_loss_falls_accuracy_rises_and_export_reproduces(hidden_run, tiny_model_
     assert check_export(export) == []
     cfg = json.loads((export / "config.json").read_text())
     run_layers = json.loads((hidden_run / "run.json").read_text())["layers"]
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [x + 1 for x in run_layers]
+    # Read as SGLang reads it (its rule for the target's architecture, held to the wheel by
+    # test_sglang_judge), the export selects exactly the layers the records hold.
+    from engine.target import served_layers
+
+    architecture = json.loads((tiny_model_dir / "config.json").read_text())["architectures"][0]
+    assert served_layers(architecture, cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == run_layers
     # The stage turns green with the evidence the console shows.
     from engine.checks.base import Status
     from engine.checks.context import CheckContext

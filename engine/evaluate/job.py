@@ -110,7 +110,7 @@ class Evaluation:
                          "sglang backend")
         notes.append(f"local backend: {ev.spec_steps} draft tokens per verify step, KV caches on target and "
                      f"drafter, {setup.device} {setup.dtype}")
-        self.event("loaded", device=setup.device, dtype=setup.dtype, aux_layers_sglang=setup.aux_layers)
+        self.event("loaded", device=setup.device, dtype=setup.dtype, hidden_state_indices=setup.aux_layers)
         results = evaluate_local(setup, prompts, ev.max_new_tokens, ev.spec_steps, self._progress(len(prompts)),
                                  self.should_stop)
         note = precision_note(setup.dtype, results)

@@ -20,7 +20,7 @@ class EvalError(Exception):
 class LocalSetup:
     target: object
     drafter: object
-    aux_layers: list[int]  # SGLang numbering = transformers hidden_states index
+    aux_layers: list[int]  # transformers hidden_states indices the served layers land on (ours + 1)
     stop_ids: list[int]
     device: str
     dtype: str
@@ -58,13 +58,12 @@ def stop_token_ids(target, tokenizer) -> list[int]:
 
 
 def run_layers(workspace) -> list[int] | None:
-    """The SGLang-numbered layers the extraction captured (run.json), if there is a run."""
+    """The decoder layers (ours) whose outputs the extraction captured (run.json), if there is a run."""
     try:
         meta = json.loads((workspace.hidden_dir / "run.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    layers = meta.get("layers_sglang") or [int(x) + 1 for x in meta.get("layers") or []]
-    return [int(x) for x in layers] or None
+    return [int(x) for x in meta.get("layers") or []] or None
 
 
 def load_local(workspace, export_dir: Path, tokenizer) -> LocalSetup:
@@ -73,6 +72,7 @@ def load_local(workspace, export_dir: Path, tokenizer) -> LocalSetup:
 
     from engine.evaluate.specdec import check_aux_layers
     from engine.sdpa import avoid_cudnn_attention
+    from engine.target import TargetError, plan_target, served_layers
     from engine.train.export import ExportError, load_export
 
     cfg = workspace.config
@@ -100,18 +100,25 @@ def load_local(workspace, export_dir: Path, tokenizer) -> LocalSetup:
                         f"{drafter.cfg.target_hidden_size}, this target has {tuple(embed.shape)}: retrain it")
     drafter = drafter.to(device=device, dtype=dtype).eval()
     drafter.d2t.data = drafter.d2t.data.to(torch.int64)  # buffers keep their integer dtype
-    num_layers = int(target.config.get_text_config().num_hidden_layers)
     try:
-        layers = check_aux_layers(drafter.cfg.aux_layers_sglang, num_layers)
+        plan = plan_target(workspace.model_dir)
+    except TargetError as exc:
+        raise EvalError(f"{exc}; fix the `model` stage first") from None
+    # Read the export as SGLang does: its ids through the target architecture's rule.
+    ids = [int(x) for x in drafter.cfg.aux_layers_sglang]
+    served = served_layers(plan.architecture, ids)
+    extracted = run_layers(workspace)
+    if extracted is not None and extracted != served:
+        raise EvalError(f"the drafter export's layer ids {ids} make SGLang serve the outputs of decoder layers "
+                        f"{served} on {plan.architecture}, but its records hold layers {extracted}: the export "
+                        "would feed the drafter the wrong layers; re-run the train stage")
+    try:
+        layers = check_aux_layers([x + 1 for x in served], plan.num_layers)
     except ValueError as exc:
         raise EvalError(str(exc)) from None
     notes = []
-    extracted = run_layers(workspace)
-    if extracted is not None and extracted != layers:
-        raise EvalError(f"the drafter export uses aux layers {layers} (SGLang numbering) but the extraction "
-                        f"run captured {extracted}: the drafter was trained on other data; retrain it")
-    notes.append(f"aux layers {layers} (SGLang ids) = transformers hidden_states{layers} = outputs of "
-                 f"decoder layers {[x - 1 for x in layers]} (0-indexed)")
+    notes.append(f"export layer ids {ids} -> SGLang serves outputs of decoder layers {served} on "
+                 f"{plan.architecture} ({plan.rule.value}) = transformers hidden_states{layers}")
     from engine.evaluate.fastllama import unsupported_reason
 
     why = unsupported_reason(target)

@@ -68,14 +68,15 @@ class DecodeResult:
 
 
 def check_aux_layers(layers: Sequence[int], num_layers: int) -> list[int]:
-    """SGLang aux ids must be 1 .. L-1 (outputs of layers 0 .. L-2); hidden_states[L] is post-norm."""
+    """transformers hidden_states indices of the aux layers: 1 .. L-1 (outputs of layers 0 .. L-2);
+    hidden_states[L] is post-norm."""
     layers = [int(x) for x in layers]
     if len(layers) != 3:
         raise SpecDecodeError(f"the drafter export names {len(layers)} aux layers ({layers}); EAGLE-3 needs 3: "
                               "re-export the drafter (train stage)")
     bad = [x for x in layers if not 1 <= x <= num_layers - 1]
     if bad:
-        raise SpecDecodeError(f"aux layer ids {layers} (SGLang numbering) must lie in 1..{num_layers - 1} for a "
+        raise SpecDecodeError(f"aux layers at hidden_states{layers} must lie in 1..{num_layers - 1} for a "
                               f"{num_layers}-layer target: the drafter was built for another model")
     return layers
 

@@ -25,6 +25,7 @@ import torch
 
 from engine import atomic
 from engine.jsonl import dumps_line
+from engine.target import TargetError, plan_target, sglang_layer_ids
 from engine.train import checkpoint as ckpt
 from engine.train.data import RecordData, Teacher, TrainDataError
 from engine.train.loss import STAT_FIELDS, TTTModel, summarize
@@ -132,7 +133,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from engine.checks.model import read_model_config
         from engine.lmhead import LmHeadError, load_lm_head
         from engine.records import RecordError
 
@@ -143,11 +143,11 @@ class Trainer:
         self._check_numbers()
         model_dir = self.ws.model_dir
         try:
-            target = read_model_config(model_dir)
-        except Exception as exc:
-            raise TrainError(f"cannot read the target model config in {model_dir} ({exc}); set model.path") from None
-        text = target.get("text_config") or target
-        hidden = int(text["hidden_size"])
+            target = plan_target(model_dir)
+        except TargetError as exc:
+            raise TrainError(f"cannot plan the target in {model_dir}: {exc}") from None
+        text = target.text
+        hidden = target.hidden_size
         run_dir = self.ws.hidden_dir
         try:
             self.data = RecordData(run_dir, hidden, self.cfg.max_len, self.cfg.eval_fraction)
@@ -155,11 +155,14 @@ class Trainer:
             raise TrainError(f"{exc}; run the extraction first") from None
         except TrainDataError as exc:
             raise TrainError(str(exc)) from None
-        meta = self.data.meta
-        layers_sglang = meta.get("layers_sglang") or [int(x) + 1 for x in meta.get("layers") or []]
-        if len(layers_sglang) != 3:
+        layers = [int(x) for x in self.data.meta.get("layers") or []]
+        if len(layers) != 3:
             raise TrainError(f"{run_dir}/run.json lists no capture layers; re-run the extraction")
-        vocab_size = draft_vocab_size(self.cfg.draft_vocab_size, int(text["vocab_size"]))
+        try:  # the ids SGLang turns back into exactly these layers, by the target architecture's rule
+            layer_ids = sglang_layer_ids(target.architecture, layers)
+        except ValueError as exc:
+            raise TrainError(f"the records hold layers {layers}: {exc}") from None
+        vocab_size = draft_vocab_size(self.cfg.draft_vocab_size, target.vocab_size)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         vocab = self._vocab(run_dir, vocab_size)
         try:
@@ -169,7 +172,7 @@ class Trainer:
             raise TrainError(f"target LM head/embedding unavailable: {exc}") from None
         if head.shape[1] != hidden or embed.shape[1] != hidden:
             raise TrainError(f"LM head {list(head.shape)} / embedding {list(embed.shape)} do not match hidden {hidden}")
-        dcfg = DraftConfig.from_target(target, vocab_size, layers_sglang)
+        dcfg = DraftConfig.from_target(text, vocab_size, layer_ids)
         torch.manual_seed(self.cfg.seed)
         self.model = Eagle3Drafter(dcfg)
         with torch.no_grad():
