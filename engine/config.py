@@ -430,25 +430,18 @@ def resolve_path(workspace: Path, value: str) -> Path:
     return path if path.is_absolute() else (Path(workspace) / path)
 
 
-def model_num_layers(model_dir: Path) -> int | None:
-    """num_hidden_layers from config.json (text_config for multimodal wrappers), or None."""
-    try:
-        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    for holder in (data, data.get("text_config") or {}, data.get("language_config") or {}):
-        if isinstance(holder, dict) and isinstance(holder.get("num_hidden_layers"), int):
-            return holder["num_hidden_layers"]
-    return None
-
-
 def validate_against_model(config: Config, workspace: Path, file: Path | str = CONFIG_NAME) -> None:
     """Checks that need the model's config.json: capture layer ids within range."""
     if not config.model.path or not config.model.capture_layers:
         return
-    layers = model_num_layers(resolve_path(workspace, config.model.path))
-    if layers is None:
+    from engine.target import TargetError, text_config
+
+    try:
+        layers = text_config(resolve_path(workspace, config.model.path)).get("num_hidden_layers")
+    except TargetError:
         return  # the `model` stage reports an unreadable model; nothing to compare here
+    if not isinstance(layers, int):
+        return
     for i, layer in enumerate(config.model.capture_layers):
         if layer >= layers:
             raise ConfigError(

@@ -19,12 +19,12 @@ class LmHeadError(Exception):
 
 
 def _tied(model_dir: Path) -> bool:
+    from engine.target import TargetError, text_config
+
     try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
+        return bool(text_config(model_dir).get("tie_word_embeddings", False))
+    except TargetError:
         return False
-    text = config.get("text_config") or {}
-    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:

@@ -156,8 +156,9 @@ class TargetPlan:
         return [i + 1 for i in self.capture_layers]
 
     def describe_layers(self) -> str:
-        return (f"outputs of decoder layers {list(self.capture_layers)} (0-indexed, {self.capture_source}); "
-                f"SGLang layer ids {self.sglang_ids} for {self.architecture} ({self.rule.value})")
+        return (f"outputs of decoder layers {list(self.capture_layers)} (0-indexed, {self.capture_source}) = SGLang "
+                f"layers_to_capture {self.layers_to_capture}; SGLang layer ids {self.sglang_ids} for "
+                f"{self.architecture} ({self.rule.value})")
 
     def sglang_refusal(self) -> str | None:
         """Why SGLang cannot capture this target through our hook, or None."""
@@ -185,6 +186,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 
 def _text_config(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The text model's config (a multimodal wrapper's text_config merged over it) and where it was."""
     for key in ("text_config", "language_config"):
         text = data.get(key)
         if isinstance(text, dict) and "num_hidden_layers" in text:
@@ -192,6 +194,11 @@ def _text_config(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
             merged.update({k: v for k, v in text.items() if k != "architectures"})
             return merged, key
     return dict(data), None
+
+
+def text_config(model_dir: Path) -> dict[str, Any]:
+    """The text model's config.json (flattened for multimodal wrappers); TargetError when unreadable."""
+    return _text_config(read_config(model_dir))[0]
 
 
 def plan_target(model_dir: Path, configured_layers: list[int] | tuple[int, ...] = ()) -> TargetPlan:

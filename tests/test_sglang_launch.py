@@ -23,7 +23,7 @@ import pytest
 from engine.checks.context import CheckContext
 from engine.config import ConfigError, set_value
 from engine.sglang.launch import HOOK_FACTORY, build_sglang_spec
-from engine.sglang.versions import UnsupportedSglangError, aux_layer_flag_ids, detect_profile, profile_for
+from engine.sglang.versions import UnsupportedSglangError, detect_profile, profile_for
 from engine.workspace import init_workspace
 
 from sglang_judge.wheel import VERSION, run_with_sglang
@@ -81,7 +81,7 @@ def test_capture_spec_flags_env_and_notes(ws):
     assert spec.env["NCCL_P2P_DISABLE"] == "1" and spec.env_set["NCCL_P2P_DISABLE"] == "1"
     assert spec.env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[1])
     notes = "\n".join(spec.notes)
-    assert "layers_to_capture [1, 2, 3]" in notes and "[0, 1, 2] (ours" in notes
+    assert "layers_to_capture [1, 2, 3]" in notes and "[0, 1, 2] (0-indexed" in notes
     assert "--disable-radix-cache: radix cache off" in notes and "partial sums" in notes
     assert "--attention-backend" not in argv  # Hopper: SGLang's own default
 
@@ -119,13 +119,32 @@ def test_extra_args_that_break_capture_are_refused(ws):
         spec_for(ws)
 
 
-def test_deepseek_layer_id_convention():
-    profile = profile_for(VERSION)
-    assert aux_layer_flag_ids(profile, [1, 30, 57], "LlamaForCausalLM") == [1, 30, 57]
-    assert aux_layer_flag_ids(profile, [1, 30, 57], "KimiK25ForConditionalGeneration") == [1, 30, 57]
-    assert aux_layer_flag_ids(profile, [2, 30, 57], "DeepseekV3ForCausalLM") == [3, 31, 58]
-    with pytest.raises(ValueError, match="layer 0"):
-        aux_layer_flag_ids(profile, [0, 30, 57], "DeepseekV3ForCausalLM")
+def _target_config(path: Path, architecture: str, layers: int = 8) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"architectures": [architecture], "num_hidden_layers": layers,
+                                                  "hidden_size": 64, "vocab_size": 300}))
+    return path
+
+
+def test_flag_ids_follow_the_architectures_rule(ws, tmp_path):
+    """DeepSeek's rule takes ids verbatim unless the first is 1 (tests/test_sglang_judge.py runs it)."""
+    configure(ws, model__path=str(_target_config(tmp_path / "ds", "DeepseekV3ForCausalLM")),
+              model__capture_layers=[2, 4, 6])
+    assert flag_value(spec_for(ws).argv, "--return-aux-hidden-state-layer-ids", 3) == ["3", "5", "7"]
+    configure(ws, model__capture_layers=[1, 4, 6])
+    assert flag_value(spec_for(ws).argv, "--return-aux-hidden-state-layer-ids", 3) == ["1", "4", "6"]
+    configure(ws, model__capture_layers=[0, 4, 6])
+    with pytest.raises(ConfigError, match="layer 0's output"):
+        spec_for(ws)
+
+
+@pytest.mark.parametrize("architecture, why", [("OPTForCausalLM", "by keyword"),
+                                               ("GPT2LMHeadModel", "no set_eagle3_layers_to_capture")])
+def test_capture_refuses_targets_sglang_cannot_capture(ws, tmp_path, architecture, why):
+    configure(ws, model__path=str(_target_config(tmp_path / architecture, architecture)))
+    with pytest.raises(ConfigError, match=why) as refused:
+        spec_for(ws)
+    assert architecture in str(refused.value) and "local" in str(refused.value)
 
 
 # ----------------------------------------------------------------------------- versions

@@ -20,10 +20,10 @@ def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server
     import torch
 
     from engine.capture.segments import SegmentError, assemble
-    from engine.checks.model import read_model_config
+    from engine.target import text_config
     from engine.lmhead import LmHeadError, load_lm_head
 
-    hidden = int(read_model_config(model_dir)["hidden_size"])
+    hidden = int(text_config(model_dir)["hidden_size"])
     try:
         cap = assemble(spool_dir, rid)
     except (SegmentError, FileNotFoundError, OSError) as exc:

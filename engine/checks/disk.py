@@ -92,12 +92,12 @@ def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, str]:
 
 
 def _budget(ctx: CheckContext) -> CheckResult:
-    from engine.checks.model import read_model_config
+    from engine.target import TargetError, plan_target
 
     cfg = ctx.config
     try:
-        hidden = int(read_model_config(ctx.workspace.model_dir)["hidden_size"])
-    except (OSError, ValueError, KeyError):
+        hidden = plan_target(ctx.workspace.model_dir, list(cfg.model.capture_layers)).hidden_size
+    except TargetError:
         return warned("budget", "hidden size unknown (model config unreadable)", "fix the `model` stage first")
     tokens, source = estimate_tokens(ctx)
     per_token = bytes_per_token(hidden)

@@ -26,7 +26,8 @@ def check_extract(ctx: CheckContext) -> list[CheckResult]:
             return [failed("run", f"extraction job {active[0].id} is planning the run", "wait for it")]
         return [failed("run", str(exc), START_FIX)]
     results = [passed("run", f"{run_dir}: {meta.get('num_samples')} samples planned, H={meta.get('hidden_size')}, "
-                             f"layers {meta.get('layers')} (SGLang {meta.get('layers_sglang')})")]
+                             f"layers {meta.get('layers')} (SGLang layer ids {meta.get('sglang_layer_ids', '?')} "
+                             f"for {meta.get('architecture', '?')})")]
     check = check_run(run_dir, meta.get("hidden_size"))
     planned = int(meta.get("num_samples") or 0)
     try:

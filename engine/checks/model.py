@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
-
-
-def read_model_config(model_dir: Path) -> dict[str, Any]:
-    """config.json flattened to the text model (multimodal wrappers keep it in text_config)."""
-    data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    text = data.get("text_config") or data.get("language_config")
-    merged = dict(data)
-    if isinstance(text, dict):
-        merged.update({k: v for k, v in text.items() if k not in ("architectures",)})
-    return merged
+from engine.target import TargetError, plan_target, text_config
 
 
 def _weights_evidence(model_dir: Path) -> tuple[bool, str]:
@@ -47,43 +37,35 @@ def check_model(ctx: CheckContext) -> list[CheckResult]:
     results = [passed("path", str(model_dir))]
 
     try:
-        mc = read_model_config(model_dir)
-    except FileNotFoundError:
-        return results + [failed("config", f"{model_dir}/config.json missing", "point model.path at a Hugging Face model directory")]
-    except (OSError, ValueError) as exc:
-        return results + [failed("config", f"config.json unreadable: {exc}", "restore config.json from the model's source")]
-    layers, hidden, vocab = mc.get("num_hidden_layers"), mc.get("hidden_size"), mc.get("vocab_size")
+        text = text_config(model_dir)
+    except TargetError as exc:
+        return results + [failed("config", str(exc), "point model.path at a complete Hugging Face model directory")]
+    layers, hidden, vocab = text.get("num_hidden_layers"), text.get("hidden_size"), text.get("vocab_size")
     if not all(isinstance(v, int) and v > 0 for v in (layers, hidden, vocab)):
         return results + [failed("config", f"num_hidden_layers={layers}, hidden_size={hidden}, vocab_size={vocab}",
                                  "config.json must give positive integers for these three fields")]
-    arch = ",".join(mc.get("architectures") or ["?"])
-    results.append(passed("config", f"{arch}: {layers} layers, hidden {hidden}, vocab {vocab}"))
+    architecture = (text.get("architectures") or ["?"])[0]
+    results.append(passed("config", f"{architecture}: {layers} layers, hidden {hidden}, vocab {vocab}"))
 
     ok, evidence = _weights_evidence(model_dir)
     results.append(passed("weights", evidence) if ok else failed("weights", evidence, "download the complete checkpoint"))
 
-    results.append(_layers_check(cfg.model.capture_layers, layers))
+    try:
+        plan = plan_target(model_dir, list(cfg.model.capture_layers))
+    except TargetError as exc:
+        results.append(failed("capture_layers", str(exc),
+                              f"use three increasing ids in 0..{layers - 2}, or [] for the default"))
+    else:
+        results.append(passed("capture_layers", plan.describe_layers()))
+        refusal = plan.sglang_refusal() if cfg.model.backend == "sglang" else None
+        if refusal:
+            results.append(failed("sglang_capture", refusal, "set model.backend = \"local\""))
     results.append(_tokenizer_check(model_dir))
     if ctx.config.model.backend == "sglang":
         from engine.checks.sglang import check_sglang_model
 
         results += check_sglang_model(ctx)
     return results
-
-
-def _layers_check(configured: list[int], num_layers: int) -> CheckResult:
-    from engine.capture.layers import default_capture_layers, to_sglang_numbering, validate_layers
-
-    layers = list(configured) or default_capture_layers(num_layers)
-    source = "configured" if configured else "default [1, L//2-1, L-4]"
-    try:
-        validate_layers(layers, num_layers)
-    except ValueError as exc:
-        return failed("capture_layers", f"{layers} ({source}): {exc}",
-                      f"use three distinct ids in 0..{num_layers - 1}, or [] for the default")
-    return passed("capture_layers",
-                  f"outputs of layers {layers} (0-indexed, {source}) = SGLang layers_to_capture "
-                  f"{to_sglang_numbering(layers)}")
 
 
 def _tokenizer_check(model_dir: Path) -> CheckResult:

@@ -91,22 +91,18 @@ class Extractor:
         return bool(self.ctx is not None and self.ctx.stop_requested)
 
     # -- setup
-    def _hidden_size(self) -> int:
-        from engine.checks.model import read_model_config
+    def _target(self):
+        from engine.target import TargetError, workspace_plan
 
-        return int(read_model_config(self.ws.model_dir)["hidden_size"])
+        try:
+            return workspace_plan(self.ws)
+        except TargetError as exc:
+            raise ExtractionRefused(f"{exc}; fix the `model` stage first") from None
 
-    def _layers(self) -> list[int]:
-        from engine.capture.layers import default_capture_layers
-        from engine.config import model_num_layers
-
-        return list(self.cfg.model.capture_layers) or default_capture_layers(model_num_layers(self.ws.model_dir) or 0)
-
-    def _check_run_meta(self, plan: Plan, hidden: int, layers: list[int]) -> None:
-        from engine.capture.layers import to_sglang_numbering
-
+    def _check_run_meta(self, plan: Plan, target, layers: list[int]) -> None:
+        hidden = target.hidden_size
         meta = {"model": str(self.ws.model_dir), "hidden_size": hidden, "layers": layers,
-                "layers_sglang": to_sglang_numbering(layers), "dataset": plan.dataset,
+                "architecture": target.architecture, "sglang_layer_ids": target.sglang_ids, "dataset": plan.dataset,
                 "fingerprint": plan.fingerprint, "max_seq_len": self.cfg.dataset.max_seq_len,
                 "num_samples": len(plan.samples), "dtype": "bfloat16"}
         if (self.run_dir / "run.json").is_file():
@@ -326,8 +322,8 @@ class Extractor:
 
     # -- the run
     async def run(self) -> int:
-        hidden = self._hidden_size()
-        layers = self._layers()
+        target = self._target()
+        layers = list(target.capture_layers)
         self.event("planning", dataset=self.cfg.dataset.path)
         plan = await asyncio.to_thread(build_plan, self.ws, self.limit)
         if not plan.samples:
@@ -336,14 +332,15 @@ class Extractor:
         self.spool.mkdir(parents=True, exist_ok=True)
         self._lock_run()
         try:
-            return await self._run_locked(plan, hidden, layers)
+            return await self._run_locked(plan, target, layers)
         finally:
             self._run_lock.release()
 
-    async def _run_locked(self, plan: Plan, hidden: int, layers: list[int]) -> int:
+    async def _run_locked(self, plan: Plan, target, layers: list[int]) -> int:
         from engine.client import ServerClient
 
-        self._check_run_meta(plan, hidden, layers)
+        hidden = target.hidden_size
+        self._check_run_meta(plan, target, layers)
         # Lock held: only a writer killed mid-write can have left a temp file, among the records or
         # beside them (complete.json, token counts, a manifest rewrite: a kill while finishing).
         swept = await asyncio.to_thread(atomic.remove_dead_temp_files, self.run_dir, [".", "records/*"])
@@ -406,11 +403,12 @@ class Extractor:
         if self.stopping:
             self.event("stopped", done=self.progress.done, total=self.progress.total)
             return 0
-        return await asyncio.to_thread(self._finish, plan, hidden)
+        return await asyncio.to_thread(self._finish, plan, target)
 
-    def _finish(self, plan: Plan, hidden: int) -> int:
+    def _finish(self, plan: Plan, target) -> int:
         import torch
 
+        hidden = target.hidden_size
         final = check_run(self.run_dir, hidden)
         self._release_stale_spool()  # a killed session's late captures, written after our start
         covered = set(final.good)
@@ -418,7 +416,7 @@ class Extractor:
         if missing:
             self.event("incomplete", missing=missing[:20], count=len(missing))
             return 3
-        vocab = _vocab_size(self.ws.model_dir)
+        vocab = target.vocab_size
         counts = torch.zeros(vocab, dtype=torch.int64)
         for s in plan.samples:
             if s.id in covered:
@@ -431,12 +429,6 @@ class Extractor:
         atomic.write_json(self.run_dir / COMPLETE, summary)
         self.event("finished", **summary)
         return 0
-
-
-def _vocab_size(model_dir: Path) -> int:
-    from engine.checks.model import read_model_config
-
-    return int(read_model_config(model_dir)["vocab_size"])
 
 
 def limit_torch_threads(concurrency: int) -> int:

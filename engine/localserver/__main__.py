@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
-import json
 import os
 import socket
 import sys
@@ -57,15 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _num_layers_from_config(model_path: Path) -> int | None:
+    from engine.target import TargetError, text_config
+
     try:
-        config = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        value = text_config(model_path).get("num_hidden_layers")
+    except TargetError:
         return None
-    for source in (config, config.get("text_config") or {}):
-        value = source.get("num_hidden_layers")
-        if isinstance(value, int):
-            return value
-    return None
+    return value if isinstance(value, int) else None
 
 
 def resolve_capture_layers(args: argparse.Namespace, num_layers: int) -> list[int] | None:

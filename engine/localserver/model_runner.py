@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import os
 import queue
 import sys
@@ -198,13 +197,14 @@ def check_model_dir(model_path: Path) -> None:
         raise ModelLoadError("does not exist")
     if not model_path.is_dir():
         raise ModelLoadError("is not a directory (expected a transformers model directory)")
-    config_file = model_path / "config.json"
-    if not config_file.is_file():
+    from engine.target import TargetError, read_config
+
+    if not (model_path / "config.json").is_file():
         raise ModelLoadError("has no config.json (not a transformers model directory)")
     try:
-        json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"config.json is unreadable: {exc}") from None
+        read_config(model_path)
+    except TargetError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 class ModelRunner:

@@ -10,15 +10,18 @@ from engine.server.spec import LaunchSpec
 
 
 def build_local_spec(workspace, capture: bool = True, port: int | None = None) -> LaunchSpec:
-    from engine.capture.layers import default_capture_layers
-    from engine.config import model_num_layers
+    from engine.config import ConfigError
+    from engine.target import TargetError, workspace_plan
 
     cfg = workspace.config
     model_dir = workspace.model_dir
-    layers = list(cfg.model.capture_layers)
-    if not layers:
-        num_layers = model_num_layers(model_dir)
-        layers = default_capture_layers(num_layers) if num_layers else []
+    layers: list[int] = []
+    if capture:
+        try:
+            layers = list(workspace_plan(workspace).capture_layers)
+        except TargetError as exc:  # never start a capture server that silently captures nothing
+            raise ConfigError(workspace.config_path, "model.path", str(exc),
+                              "fix the `model` stage, or start the server without capture") from None
     port = port or cfg.server.port
     argv = [
         sys.executable, "-m", "engine.localserver",

@@ -165,7 +165,12 @@ class ServerManager:
         current = self.job()
         if current is not None and current.state in ACTIVE:
             return await self.poll()
-        spec = self.spec(capture=capture)
+        from engine.config import ConfigError
+
+        try:
+            spec = self.spec(capture=capture)
+        except ConfigError as exc:  # refused before anything starts: the target cannot be planned or captured
+            raise ServerStartError(str(exc)) from None
         busy = port_in_use(spec.host, spec.port)
         if busy:
             raise ServerStartError(f"{busy}: stop whatever holds it, or set server.port to a free port")

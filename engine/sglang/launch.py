@@ -17,7 +17,6 @@ from engine.server.spec import LaunchSpec
 from engine.sglang.versions import (
     UnsupportedSglangError,
     VersionProfile,
-    aux_layer_flag_ids,
     detect_profile,
     profile_for,
 )
@@ -76,14 +75,6 @@ def choose_attention_backend(configured: str, capability: tuple[int, int] | None
     return None, f"attention backend left to SGLang's default for {architecture_name(capability)}"
 
 
-def _architecture(model_dir: Path) -> str:
-    try:
-        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        return str((data.get("architectures") or [""])[0])
-    except (OSError, ValueError, IndexError, AttributeError):
-        return ""
-
-
 def _flag_name(arg: str) -> str:
     return arg.split("=", 1)[0]
 
@@ -103,8 +94,7 @@ def _check_extra_args(workspace, extra: list[str], profile: VersionProfile, capt
 def build_sglang_spec(workspace, capture: bool = True, port: int | None = None, *, version: str | None = None,
                       compute_capability=_UNPROBED) -> LaunchSpec:
     """The SGLang launch for this workspace; ConfigError naming the fix for a config it cannot serve."""
-    from engine.capture.layers import default_capture_layers, to_sglang_numbering, validate_layers
-    from engine.config import model_num_layers
+    from engine.target import TargetError, workspace_plan
 
     cfg = workspace.config
     profile = _profile(workspace, version)
@@ -147,39 +137,29 @@ def build_sglang_spec(workspace, capture: bool = True, port: int | None = None, 
     env_set: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     layers: list[int] = []
     if capture:
-        num_layers = model_num_layers(model_dir)
-        layers = list(cfg.model.capture_layers)
-        if not layers and num_layers:
-            layers = default_capture_layers(num_layers)
-        if not layers:
-            raise _config_error(workspace, "model.path", f"{model_dir}/config.json gives no num_hidden_layers",
-                                "point model.path at a Hugging Face model directory, or set model.capture_layers")
-        if num_layers:
-            try:
-                validate_layers(layers, num_layers)
-            except ValueError as exc:
-                raise _config_error(workspace, "model.capture_layers", str(exc),
-                                    "use three increasing ids in 0..L-2, or [] for the default", layers) from None
-        architecture = _architecture(model_dir)
         try:
-            flag_ids = aux_layer_flag_ids(profile, layers, architecture)
-        except ValueError as exc:
-            raise _config_error(workspace, "model.capture_layers", str(exc), "pick another first layer",
-                                layers) from None
+            plan = workspace_plan(workspace)
+        except TargetError as exc:
+            raise _config_error(workspace, "model.capture_layers" if cfg.model.capture_layers else "model.path",
+                                str(exc), "fix the `model` stage first") from None
+        refusal = plan.sglang_refusal()
+        if refusal:
+            raise _config_error(workspace, "model.backend", refusal, "capture this target with the local backend",
+                                cfg.model.backend)
+        layers, flag_ids = list(plan.capture_layers), plan.sglang_ids
         for flags, why in profile.capture_flags:
             argv += list(flags)
             notes.append(f"{' '.join(flags)}: {why}")
         argv += [*profile.aux_capture_flags, profile.aux_layer_ids_flag, *(str(i) for i in flag_ids)]
         notes.append(f"{' '.join(profile.aux_capture_flags)}: SGLang's own EAGLE-3 aux capture without a draft; "
                      "the speculative algorithm only names the capture convention and resolves to None")
-        notes.append(f"capture layers: outputs of decoder layers {layers} (ours, 0-indexed) = SGLang "
-                     f"layers_to_capture {to_sglang_numbering(layers)}; passed as {profile.aux_layer_ids_flag} "
-                     f"{' '.join(map(str, flag_ids))} for {architecture or 'this architecture'}")
+        notes.append(f"capture layers: {plan.describe_layers()}; passed as {profile.aux_layer_ids_flag} "
+                     f"{' '.join(map(str, flag_ids))}")
         hook = [{
             "name": HOOK_NAME,
             "target_modules": [profile.hook_target],
             "hook_factory": HOOK_FACTORY,
-            "config": {"layers": layers, "layers_sglang": to_sglang_numbering(layers), "sglang": profile.version},
+            "config": {"layers": layers, "layers_sglang": plan.layers_to_capture, "sglang": profile.version},
         }]
         argv += ["--forward-hooks", json.dumps(hook, separators=(",", ":"))]
         notes.append(f"--forward-hooks: {HOOK_FACTORY} on '{profile.hook_target}' in every TP worker writes spool "

@@ -15,7 +15,7 @@ Facts were read from the PyPI wheels' source (0.5.9, 0.5.16, 0.5.20, 0.5.22, 0.5
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 
 DISTRIBUTION = "sglang"
@@ -34,9 +34,6 @@ class VersionProfile:
     # fnmatch pattern over model.named_modules() for the module our hook attaches to.
     hook_target: str
     health_check_prefix: str
-    # Architectures whose set_eagle3_layers_to_capture adds 1 only when the first id == 1
-    # (PR #25454); every other architecture always adds 1.
-    conditional_shift_architectures: frozenset[str] = field(default_factory=frozenset)
     # Dotted callables tried in order by the hook to find its rank among the writers.
     rank_functions: tuple[str, ...] = ()
     # Flags a user may not add through server.extra_args while capturing (they break it).
@@ -66,10 +63,6 @@ PROFILES: dict[str, VersionProfile] = {
             aux_layer_ids_flag="--return-aux-hidden-state-layer-ids",
             hook_target="*logits_processor",
             health_check_prefix="HEALTH_CHECK",
-            conditional_shift_architectures=frozenset({
-                "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-                "KimiK25ForConditionalGeneration", "Glm4MoeLiteForCausalLM",
-            }),
             rank_functions=(
                 # With DP attention: rank inside this DP group's attention-TP group; else the TP group.
                 "sglang.srt.layers.dp_attention:get_dp_tp_group",
@@ -150,21 +143,3 @@ def detect_profile(version: str | None = None) -> VersionProfile:
             f"(model.backend = \"sglang\"). Fix: pip install 'sglang=={supported_versions()[-1]}' "
             "in the environment that runs eagle3-console, or set model.backend = \"local\"")
     return profile_for(version)
-
-
-def aux_layer_flag_ids(profile: VersionProfile, ours: list[int], architecture: str) -> list[int]:
-    """Values for `--return-aux-hidden-state-layer-ids` that make SGLang capture our layers.
-
-    Our id i = output of decoder layer i = SGLang `layers_to_capture` i+1. Most models add
-    the 1 themselves, so they get our ids unchanged. The conditional-shift architectures add
-    1 only when the first id is 1, else take the ids as `layers_to_capture` directly.
-    """
-    if architecture not in profile.conditional_shift_architectures or not ours or ours[0] == 1:
-        return list(ours)
-    shifted = [layer + 1 for layer in ours]
-    if shifted[0] == 1:
-        raise ValueError(
-            f"{architecture} on SGLang {profile.version} cannot capture layer 0's output through "
-            "--return-aux-hidden-state-layer-ids (an id list starting at 1 is shifted again); "
-            "choose a first capture layer of 1 or more in model.capture_layers")
-    return shifted
