@@ -17,7 +17,8 @@ from eagle3_console.tabs import TAB_IDS
 from engine.config import ConfigError
 from engine.workspace import WorkspaceError
 
-GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-"}
+GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-",
+          "stale": "?"}
 STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
 
 
@@ -289,7 +290,7 @@ def _lock_held(ws) -> bool:
 
 def _job_dict(job, with_progress: bool = False) -> dict:
     data = {"id": job.id, "kind": job.kind, "state": job.state, "pid": job.pid, "exit_code": job.exit_code,
-            "started_at": job.started_at, "ended_at": job.ended_at}
+            "started_at": job.started_at, "ended_at": job.ended_at, "reason": job.reason}
     if with_progress:
         data["progress"] = _last_progress(job)
     return data
@@ -369,7 +370,8 @@ def _disk_dict(d) -> dict:
 def job_line(job: dict) -> str:
     """One job as `status` and `jobs list` print it: id, kind, state, exit code, progress."""
     code = "" if job["exit_code"] is None else f" exit {job['exit_code']}"
-    return f"{job['id']:<32} {job['kind']:<10} {job['state']}{code}{_progress_text(job.get('progress'))}"
+    reason = f" — {job['reason']}" if job.get("reason") else ""
+    return f"{job['id']:<32} {job['kind']:<10} {job['state']}{code}{reason}{_progress_text(job.get('progress'))}"
 
 
 def _progress_text(progress: dict | None) -> str:
@@ -401,7 +403,10 @@ def cmd_status(args) -> int:
     for s in data["stages"]:
         last = s["checks"]
         fails = [c for c in last if c["status"] == "fail"]
-        detail = f" — {fails[0]['name']}: {fails[0]['evidence']}" if fails else ""
+        if s["state"] in ("running", "stale") and s.get("note"):
+            detail = f" — {s['note']}"  # a job makes it now, or the result predates a change
+        else:
+            detail = f" — {fails[0]['name']}: {fails[0]['evidence']}" if fails else ""
         print(f"  {GLYPHS.get(s['state'], '?')} {s['stage']:<9} {s['state']}{detail}")
     srv = data["server"]
     print(f"server: {srv['state']}" + (f" pid {srv['pid']} {srv['url']}" if srv.get("pid") else "")

@@ -70,6 +70,7 @@ class Engine:
         self._recheck_pending: set[str] = set()
         self._recheck_task: asyncio.Task | None = None
         self._server_phase: str | None = None  # "up" or "down", the last one seen
+        self._stage_views: dict[str, tuple] = {}  # stage -> (state, note) last published
         self._closed = False
 
     @property
@@ -143,8 +144,9 @@ class Engine:
                 for job in jobs:
                     old = previous.get(job.id)
                     if old is not None and old != job.state and job.state in ("succeeded", "failed", "stopped", "lost"):
-                        level = "information" if job.state == "succeeded" else "warning"
-                        self.notify(level, f"job {job.id} {job.state}")
+                        level = {"succeeded": "information", "stopped": "warning"}.get(job.state, "error")
+                        reason = f": {job.reason}" if job.reason else ""
+                        self.notify(level, f"job {job.id} {job.state}{reason}")
                         if job.kind in JOB_STAGES:
                             self._recheck([job.kind])  # its stage said "running" or "missing" until now
                 previous = states
@@ -153,8 +155,18 @@ class Engine:
             first = False
             if changed:
                 self._emit(JobsUpdated(jobs=jobs))
+                self._publish_stage_views()
             self._publish_job_events(new_events)
             await asyncio.sleep(interval)
+
+    def _publish_stage_views(self) -> None:
+        """Stage rows follow the jobs: `running` while a stage's job runs, `stale` once a job that
+        feeds it started or ended after its check. Only rows whose view changed are sent."""
+        for report in self.reports():
+            shown = (report.state, report.note)
+            if self._stage_views.get(report.stage) != shown:
+                self._stage_views[report.stage] = shown
+                self._emit(StageUpdated(report=report))
 
     def _scan_jobs(self) -> tuple[tuple, list]:
         """(all jobs newest first, [(job, offset before, new events)]): runs in a worker thread.
@@ -282,15 +294,29 @@ class Engine:
         for name in names or stage_names():
             running = replace(self.pipeline.reports[name], state=StageState.RUNNING, note="checking…")
             self._emit(StageUpdated(report=running))
-            report = await self.pipeline.run_stage(name)
+            await self.pipeline.run_stage(name)
+            report = self.pipeline.view(name, self._known_jobs())
+            self._stage_views[name] = (report.state, report.note)
             self._emit(StageUpdated(report=report))
             reports.append(report)
         return reports
 
+    def _known_jobs(self) -> tuple:
+        """The jobs as the watcher last listed them; listed now when it has not run (status, start-up)."""
+        if self.job_list:
+            return self.job_list
+        try:
+            return tuple(self.jobs.list())
+        except OSError:
+            return ()
+
     def reports(self) -> list[StageReport]:
+        """Every stage's last report as it stands now: `running` while its job runs, `stale` when
+        computed under another config or before a job that feeds it (engine.pipeline.live_report)."""
         from engine.pipeline import stage_names
 
-        return [self.pipeline.report(n) for n in stage_names()]
+        jobs = self._known_jobs()
+        return [self.pipeline.view(n, jobs) for n in stage_names()]
 
     # -- jobs and the server (driver only)
     async def start_server(self, capture: bool = True):
@@ -316,6 +342,12 @@ class Engine:
         job = await asyncio.to_thread(STARTERS[stage], self.workspace, self.jobs)
         self.notify("information", f"{stage} job {job.id} started")
         return job
+
+    def red_prerequisites(self, stage: str) -> list[StageReport]:
+        """The prerequisite stages of `stage`'s job that are red now (engine.stagejobs.PREREQUISITES)."""
+        from engine.stagejobs import red_prerequisites
+
+        return red_prerequisites(stage, self.reports())
 
     async def stop_job(self, job_id: str, grace: float = 30.0):
         self._require_driver("stop a job")

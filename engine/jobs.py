@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -82,6 +83,14 @@ class JobInfo:
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
 
+    @property
+    def reason(self) -> str | None:
+        """Why a failed (or lost) job ended, in one line: the last error line of its log, else the
+        supervisor's note, else the last line it printed; None for a job that did not fail."""
+        if self.state not in ("failed", "lost"):
+            return None
+        return failure_reason(self.last_log_lines, self.note, self.exit_code)
+
     @classmethod
     def from_record(cls, job_dir: Path, record: Mapping[str, Any]) -> "JobInfo":
         return cls(
@@ -101,6 +110,28 @@ class JobInfo:
             supervisor_pid=record.get("supervisor_pid"),
             supervisor_create_time=record.get("supervisor_create_time"),
         )
+
+
+# The last line of a Python traceback (`OSError: [Errno 30] …`, `torch.OutOfMemoryError: …`) or a
+# program's own error line (`extraction: error: …`, `[supervisor] could not start …`).
+_ERROR_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure)\b(?::|$)"
+    r"|.*\berror\b\s*:|\[supervisor\] could not start|Killed$)",
+    re.IGNORECASE,
+)
+REASON_MAX = 300
+
+
+def failure_reason(lines, note: str | None = None, exit_code: int | None = None) -> str:
+    """The line that says why a job failed: the last error line of `lines` (its log tail), else
+    `note`, else its last non-empty line, else its exit code."""
+    text = [line.strip() for line in lines or () if line and line.strip()]
+    found = next((line for line in reversed(text) if _ERROR_LINE.match(line)), None)
+    if found is None:
+        found = note or (text[-1] if text else None)
+    if found is None:
+        found = "no output" + ("" if exit_code is None else f"; exit code {exit_code}")
+    return found if len(found) <= REASON_MAX else found[:REASON_MAX - 1] + "…"
 
 
 def _child_alive(record: Mapping[str, Any]) -> bool:

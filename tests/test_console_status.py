@@ -50,7 +50,7 @@ def test_status_reports_server_job_progress_and_evaluation(tmp_path):
     try:
         write_report(ws.eval_dir, 0.82)
         text = status(ws).stdout
-        line = next(line for line in text.splitlines() if job.id in line)
+        line = next(line for line in text.splitlines() if line.strip().startswith(job.id))
         assert "extract" in line and "running" in line and "10/40 (25%)" in line
         assert "PAUSED: output disk below reserve" in line
         assert "evaluation: acceptance length 2.69 · SLOWER: 0.82×" in text

@@ -99,6 +99,7 @@ class ExtractionView:
     retries: int = 0
     server_down: str = ""
     result: str = ""
+    reason: str = ""  # why the job failed: its last error line (engine.jobs.JobInfo.reason)
     tok_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     mb_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
 
@@ -241,8 +242,10 @@ class ExtractionPane(Pane):
             return
         if newest.id != self.view.job_id:
             self.view = ExtractionView(job_id=newest.id)
-        if newest.state != self.view.job_state:
+        reason = newest.reason or ""
+        if newest.state != self.view.job_state or reason != self.view.reason:
             self.view.job_state = newest.state
+            self.view.reason = reason
             self._render_view()
 
     def on_job_events_arrived(self, message: JobEventsArrived) -> None:
@@ -298,6 +301,9 @@ class ExtractionPane(Pane):
         lines = [f"[{colour}]● [b]{esc(phase)}[/b][/] · {job}"]
         if v.result:
             lines.append(f"[{colour}]{esc(v.result)}[/]")
+        if v.reason and phase != "error":  # an "error" event already said why, in the job's own words
+            width = max(20, (self.content_region.width or 78) - 1)
+            lines.append(f"[$error]{esc(clip(f'{v.job_state}: {v.reason}', width))}[/]")
         set_markup(state, "\n".join(lines))
         paused.display = bool(v.paused) and phase == "paused"
         set_markup(paused, f"PAUSED: {esc(v.paused)}" + ("  (p resumes)" if v.paused == USER_PAUSE else ""))

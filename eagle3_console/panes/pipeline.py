@@ -17,16 +17,22 @@ from eagle3_console.messages import RunChecks, StageChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
 
-GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-"}
+GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-",
+          "stale": "?"}
 STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
 # Theme variable per state: the table resolves them through the current theme.
 STATE_COLOURS = {"passed": "success", "warned": "warning", "failed": "error", "pending": "text-muted",
-                 "running": "primary", "unavailable": "text-muted"}
+                 "running": "primary", "unavailable": "text-muted", "stale": "warning"}
+# States whose note, not the last results, is what the row must say (a job running, a stale result).
+NOTE_STATES = ("running", "stale")
 STATUS_COLOURS = {"pass": "success", "warn": "warning", "fail": "error"}
 
 
 def last_evidence(report) -> str:
-    """The one line that best explains a stage: the first failure, else warning, else a summary."""
+    """The one line that best explains a stage: what it is doing or why its result is stale, else the
+    first failure, else warning, else a summary."""
+    if report.state.value in NOTE_STATES and report.note:
+        return report.note
     for wanted in ("fail", "warn"):
         for result in report.results:
             if result.status.value == wanted:
@@ -48,6 +54,8 @@ def detail_markup(stage, report) -> str:
         f"[$text-muted]{when}[/]",
         f"[$text-muted]{esc(stage.description)}[/]",
     ]
+    if report.results and state in NOTE_STATES and report.note:
+        lines.append(f"[${colour}]{esc(report.note)}[/]")
     if not report.results:
         lines.append(f"[$text-muted]{esc(report.note or 'not run yet')} — press Enter or r to check[/]"
                      if state == "pending" else f"[$text-muted]{esc(report.note)}[/]")

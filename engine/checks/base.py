@@ -16,7 +16,8 @@ class Status(str, enum.Enum):
 
 class StageState(str, enum.Enum):
     PENDING = "pending"  # never run (or results cleared by a change)
-    RUNNING = "running"
+    RUNNING = "running"  # being checked, or its job is running
+    STALE = "stale"  # last checked under another config, or before a job that feeds it ended
     PASSED = "passed"  # every check passed
     WARNED = "warned"  # no failure, at least one warning: usable, not green
     FAILED = "failed"
@@ -83,6 +84,8 @@ class StageReport:
     results: tuple[CheckResult, ...] = ()
     note: str = ""  # e.g. "checks not yet available in this build"
     ran_at: float | None = None
+    # What the results were computed under: ((config section, fingerprint), ...) (engine.pipeline).
+    basis: tuple[tuple[str, str], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,5 +94,6 @@ class StageReport:
             "state": self.state.value,
             "note": self.note,
             "ran_at": self.ran_at,
+            "config": dict(self.basis) if self.basis is not None else None,
             "checks": [r.to_dict() for r in self.results],
         }
