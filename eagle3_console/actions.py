@@ -136,10 +136,42 @@ class JobActions:
 
         self.push_screen(ConfirmScreen("Stop the server?", body, warning), answered)
 
+    # -- starting a stage's job: asks first when the stages it needs are red
+    def _start_after_prerequisites(self, stage: str, start) -> None:
+        """Call `start()` now, or after a yes when stages the job needs are red (it would fail, or
+        wait forever: an extraction with no server sits at 0 %). A job already running is not asked about."""
+        from engine.config import ConfigError
+        from engine.pipeline import last_failure
+
+        if any(job.kind == stage for job in self.engine.running_jobs()):
+            start()
+            return
+        try:
+            red = self.engine.red_prerequisites(stage)
+        except (ConfigError, OSError):  # a broken config or jobs folder: the start itself says what is wrong
+            red = []
+        if not red:
+            start()
+            return
+        names = ", ".join(r.stage for r in red)
+        warning = (f"Red prerequisite stage{'s' if len(red) > 1 else ''}: {names}. The {stage} job needs "
+                   f"{'them' if len(red) > 1 else 'it'} green; started now it may fail or wait without progress.")
+        body = "\n".join(f"✘ {r.stage}: {last_failure(r)}" for r in red)
+        body += "\n\nStart it anyway? (n, then fix those stages on the Pipeline pane)"
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                start()
+            else:
+                self.notify(f"{stage} job not started: {names} red", timeout=5)
+
+        self.push_screen(ConfirmScreen(f"Start the {stage} job with {names} red?", body, warning), answered)
+
     # -- extraction
     def action_start_extraction(self) -> None:
         self._focus_pane("extraction")
-        self._run(self._guarded("starting extraction", self.engine.start_stage_job("extract")), "starting extraction")
+        self._start_after_prerequisites("extract", lambda: self._run(
+            self._guarded("starting extraction", self.engine.start_stage_job("extract")), "starting extraction"))
 
     def action_toggle_pause(self) -> None:
         self._focus_pane("extraction")
@@ -187,7 +219,8 @@ class JobActions:
     # -- training
     def action_start_training(self) -> None:
         self._focus_pane("training")
-        self._run(self._guarded("starting training", self.engine.start_stage_job("train")), "starting training")
+        self._start_after_prerequisites("train", lambda: self._run(
+            self._guarded("starting training", self.engine.start_stage_job("train")), "starting training"))
 
     def action_stop_training(self) -> None:
         self._focus_pane("training")
@@ -227,8 +260,12 @@ class JobActions:
         if stage not in JOB_PANES:
             self.notify(f"stage '{stage}' has no job: Enter runs its checks", timeout=4)
             return
-        self.notify(f"starting the {stage} job…", timeout=3)
-        self._run(self._start_stage_job(stage), f"starting the {stage} job")
+
+        def start() -> None:
+            self.notify(f"starting the {stage} job…", timeout=3)
+            self._run(self._start_stage_job(stage), f"starting the {stage} job")
+
+        self._start_after_prerequisites(stage, start)
 
     async def _start_stage_job(self, stage: str) -> None:
         import asyncio

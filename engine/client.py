@@ -8,14 +8,24 @@ The API key is sent as a Bearer header and never appears in messages.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 _EXCERPT = 200
+log = logging.getLogger(__name__)
+# Replies that mean "this is not an SGLang or local target server": the endpoint does not exist.
+FOREIGN_STATUSES = frozenset({404, 405, 501})
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""})
 
 
 class ServerReplyError(Exception):
@@ -121,6 +131,60 @@ def _skip_labels(line: str, start: int, number: int) -> str:
     raise ServerReplyError(f"/metrics line {number}: unterminated label set")
 
 
+def port_owner(host: str, port: int) -> str | None:
+    """Who listens on a local TCP port, in words ("pid 4242 (python3: python -m http.server 30000)"),
+    "another user's process" when the kernel will not say, None when the host is not this machine
+    or nobody listens."""
+    if host not in LOCAL_HOSTS:
+        return None
+    import psutil
+
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    for conn in connections:
+        if conn.status != psutil.CONN_LISTEN or not conn.laddr or conn.laddr.port != port:
+            continue
+        if conn.pid is None:
+            return "another user's process"
+        try:
+            proc = psutil.Process(conn.pid)
+            name = proc.name()
+            cmdline = " ".join(proc.cmdline())
+        except psutil.Error:
+            return f"pid {conn.pid}"
+        cmdline = cmdline if len(cmdline) <= 120 else cmdline[:119] + "…"
+        return f"pid {conn.pid} ({name}: {cmdline})" if cmdline else f"pid {conn.pid} ({name})"
+    return None
+
+
+@dataclass
+class _Foreign:
+    """A base URL whose port answered like something else than our server: probes back off."""
+
+    owner: str | None
+    failures: int = 0
+    next_at: float = 0.0  # monotonic: no health probe before this
+    busy: bool = False
+    result_at: float = 0.0
+    message: str = ""
+    status: int = 404
+
+
+# base URL -> what answers there; shared by every client of the process (the extraction runs one
+# "wait for the server" loop per request in flight: they must not each probe).
+_FOREIGN: dict[str, _Foreign] = {}
+_NAMED: set[tuple[str, str | None]] = set()
+
+
+def _foreign_message(where: str, response: httpx.Response, owner: str | None, port: int | None) -> str:
+    who = f"held by {owner}" if owner else "held by a process this user cannot see"
+    return (f"{where} returned HTTP {response.status_code}: port {port} does not answer like an SGLang or local "
+            f"target server ({who}): stop that process or set server.port to a free port "
+            f"(reply: {_excerpt(response.text) or '(empty body)'})")
+
+
 class ServerClient:
     """`async with ServerClient("http://127.0.0.1:30000") as client: await client.generate(...)`"""
 
@@ -185,8 +249,72 @@ class ServerClient:
         await self._request("GET", "/health")
 
     async def health_generate(self) -> None:
-        """Returns when a one-token health generation succeeded."""
-        await self._request("GET", "/health_generate")
+        """Returns when a one-token health generation succeeded.
+
+        When the port answers like something else (HTTP 404/405/501: no such endpoint), the owner
+        of the port is named (logged once per process) and further probes of that URL back off,
+        1 s doubling to 30 s, shared by every client of the process: callers that poll in a loop
+        never hammer a foreign server. Any other outcome ends the back-off."""
+        state = _FOREIGN.get(self.base_url)
+        if state is not None:
+            await self._wait_turn(state)
+        await self._probe("/health_generate")
+
+    async def _wait_turn(self, state: _Foreign) -> None:
+        """Wait for the back-off; if another client probed meanwhile, its answer is ours."""
+        asked = time.monotonic()
+        while True:
+            if state.result_at > asked and state.message and _FOREIGN.get(self.base_url) is state:
+                raise ServerReplyError(state.message, status=state.status)
+            if _FOREIGN.get(self.base_url) is not state:
+                return  # someone got a different answer: probe normally
+            now = time.monotonic()
+            if not state.busy and now >= state.next_at:
+                return
+            await asyncio.sleep(min(0.25, max(0.02, state.next_at - now)))
+
+    async def _probe(self, path: str) -> None:
+        state = _FOREIGN.get(self.base_url)
+        if state is not None:
+            state.busy = True
+        where = f"GET {self.base_url}{path}"
+        try:
+            try:
+                response = await self._http.request("GET", path)
+            except httpx.TimeoutException:
+                raise ServerUnreachableError(f"{where}: no reply within {self._timeout:g} s") from None
+            except httpx.HTTPError as exc:
+                raise ServerUnreachableError(f"{where}: {type(exc).__name__}: {exc or 'connection failed'}") from None
+            if response.status_code not in FOREIGN_STATUSES:
+                _FOREIGN.pop(self.base_url, None)
+                self._raise_for_status(response, where)
+                return
+            state = self._foreign(state)
+            state.failures += 1
+            state.next_at = time.monotonic() + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (state.failures - 1))
+            state.message = _foreign_message(where, response, state.owner, urlsplit(self.base_url).port)
+            state.status = response.status_code
+            state.result_at = time.monotonic()
+            raise ServerReplyError(state.message, status=response.status_code)
+        except ServerUnreachableError:
+            _FOREIGN.pop(self.base_url, None)  # nobody there now: whoever comes next is probed afresh
+            raise
+        finally:
+            if state is not None:
+                state.busy = False
+
+    def _foreign(self, state: _Foreign | None) -> _Foreign:
+        if state is None:
+            parts = urlsplit(self.base_url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            owner = port_owner(parts.hostname or "", port)
+            state = _FOREIGN.setdefault(self.base_url, _Foreign(owner))
+            if (self.base_url, owner) not in _NAMED:
+                _NAMED.add((self.base_url, owner))
+                log.warning("port %s (%s) answers, but not as an SGLang or local target server: it is held by %s; "
+                            "health probes back off up to %.0f s", port, self.base_url,
+                            owner or "a process this user cannot see", BACKOFF_MAX_S)
+        return state
 
     async def server_info(self) -> dict[str, Any]:
         return await self._json_object("/server_info")

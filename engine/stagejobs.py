@@ -38,6 +38,21 @@ def start_evaluate(workspace, jobs):
 
 STARTERS: dict[str, Callable] = {"extract": start_extract, "train": start_train, "evaluate": start_evaluate}
 
+# The stages each job needs green before it can do its work: extraction with no server waits at
+# 0 % forever, training without a verified extraction has nothing to read.
+PREREQUISITES: dict[str, tuple[str, ...]] = {
+    "extract": ("model", "dataset", "server", "capture", "disk"),
+    "train": ("model", "extract"),
+    "evaluate": ("model", "server", "train"),
+}
+
+
+def red_prerequisites(stage: str, reports) -> list:
+    """The reports (as they stand now) of `stage`'s prerequisite stages that are red (failed)."""
+    by_name = {r.stage: r for r in reports}
+    return [by_name[name] for name in PREREQUISITES.get(stage, ())
+            if name in by_name and by_name[name].state.value == "failed"]
+
 
 def job_kind(stage: str) -> str | None:
     return stage if stage in STARTERS else None
