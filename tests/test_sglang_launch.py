@@ -66,7 +66,7 @@ def test_capture_spec_flags_env_and_notes(ws):
     argv = spec.argv
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert flag_value(argv, "--host") == "127.0.0.1" and flag_value(argv, "--tp-size") == "2"
-    for flag in ("--disable-radix-cache", "--disable-prefill-cuda-graph", "--enforce-disable-flashinfer-allreduce-fusion",
+    for flag in ("--disable-radix-cache", "--disable-prefill-cuda-graph",
                  "--enable-metrics", "--skip-server-warmup", "--enable-return-aux-hidden-states"):
         assert flag in argv
     assert "--enable-mixed-chunk" not in argv and "--speculative-draft-model-path" not in argv
@@ -82,7 +82,8 @@ def test_capture_spec_flags_env_and_notes(ws):
     assert spec.env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[1])
     notes = "\n".join(spec.notes)
     assert "layers_to_capture [1, 2, 3]" in notes and "[0, 1, 2] (0-indexed" in notes
-    assert "--disable-radix-cache: radix cache off" in notes and "partial sums" in notes
+    assert "--disable-radix-cache: radix cache off" in notes
+    assert "allreduce-fusion" not in " ".join(argv)  # capture sees reduced sums in 0.5.23 (versions.py)
     assert "--attention-backend" not in argv  # Hopper: SGLang's own default
 
 
@@ -185,6 +186,17 @@ def test_server_command_renders_sglang_spec(ws, monkeypatch, capsys):
     assert "-m sglang.launch_server" in out and "--forward-hooks" in out and "s3cret" not in out
     assert "export EAGLE3_CAPTURE_LAYERS=0,1,2" in out and "export NCCL_P2P_DISABLE=1" in out
     assert "# capture layers: outputs of decoder layers [0, 1, 2]" in out
+    configure(ws, server__api_key="s3cret", model__backend="local")
+    assert main(["server", "command", "--json", "-w", str(ws.root)]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert local["env"]["LOCALSERVER_API_KEY"] == "***" and local["capture_layers"] == [0, 1, 2]
+    configure(ws, model__backend="sglang")
+    assert main(["server", "command", "--json", "-w", str(ws.root)]) == 0
+    printed = capsys.readouterr().out
+    spec = json.loads(printed)
+    assert "s3cret" not in printed and spec["argv"][spec["argv"].index("--api-key") + 1] == "***"
+    assert spec["backend"] == "sglang" and spec["env"]["EAGLE3_CAPTURE_LAYERS"] == "0,1,2"
+    assert spec["argv"][1:3] == ["-m", "sglang.launch_server"] and spec["notes"]
 
 
 # ----------------------------------------------------------------------------- preflight pieces
@@ -275,7 +287,7 @@ parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 ns = parser.parse_args(json.loads(sys.argv[1]))
 keys = ["model_path", "tp_size", "disable_radix_cache", "disable_prefill_cuda_graph", "enable_metrics",
-        "enforce_disable_flashinfer_allreduce_fusion", "enable_return_aux_hidden_states", "speculative_algorithm",
+        "enable_return_aux_hidden_states", "speculative_algorithm",
         "return_aux_hidden_state_layer_ids", "forward_hooks", "attention_backend", "nnodes", "dist_init_addr",
         "skip_server_warmup", "api_key", "dtype"]
 print("PARSED " + json.dumps({k: getattr(ns, k) for k in keys}))
@@ -286,7 +298,7 @@ print("PARSED " + json.dumps({k: getattr(ns, k) for k in keys}))
     parsed = json.loads(line[len("PARSED "):])
     assert parsed["model_path"] == str(ws.model_dir) and parsed["tp_size"] == 2
     assert parsed["disable_radix_cache"] and parsed["disable_prefill_cuda_graph"] and parsed["enable_metrics"]
-    assert parsed["enforce_disable_flashinfer_allreduce_fusion"] and parsed["enable_return_aux_hidden_states"]
+    assert parsed["enable_return_aux_hidden_states"]
     assert parsed["speculative_algorithm"] == "EAGLE3" and parsed["return_aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert parsed["forward_hooks"][0]["hook_factory"] == HOOK_FACTORY
     assert parsed["attention_backend"] == "triton" and parsed["nnodes"] == 2 and parsed["dist_init_addr"] == "h:1"

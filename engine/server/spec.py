@@ -28,18 +28,15 @@ class LaunchSpec:
 
     def redacted_argv(self) -> list[str]:
         """argv with any API key replaced, safe to log and show."""
-        out, hide = [], False
-        for arg in self.argv:
-            if hide:
-                out.append("***")
-                hide = False
-                continue
-            if arg in ("--api-key", "--admin-api-key"):
-                hide = True
-            elif arg.startswith(("--api-key=", "--admin-api-key=")):
-                arg = arg.split("=", 1)[0] + "=***"
-            out.append(arg)
-        return out
+        from engine.jobs import redact_argv
+
+        return redact_argv(self.argv)
 
     def redacted_env_set(self) -> dict[str, str]:
         return {k: ("***" if k in SECRET_ENV else v) for k, v in self.env_set.items()}
+
+    def to_json(self) -> dict:
+        """What `server command --json` prints: everything needed to run it, secrets redacted."""
+        return {"backend": self.backend, "argv": self.redacted_argv(), "env": self.redacted_env_set(),
+                "url": self.url, "capture": self.capture, "capture_layers": list(self.capture_layers),
+                "spool_dir": self.spool_dir, "notes": list(self.notes)}

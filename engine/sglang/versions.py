@@ -51,9 +51,10 @@ PROFILES: dict[str, VersionProfile] = {
                 (("--disable-prefill-cuda-graph",),
                  "prefill CUDA graphs off: 0.5.23 runs prefill under breakable graphs by default, and Python forward "
                  "hooks fire only on the eager forward"),
-                (("--enforce-disable-flashinfer-allreduce-fusion",),
-                 "FlashInfer all-reduce fusion forced off: fused layers hand on per-rank partial sums, so rank 0 "
-                 "would capture wrong values"),
+                # No all-reduce-fusion switch: 0.5.23 takes aux states from the residual stream after the
+                # previous contribution is reduced and added (python/sglang/srt/layers/layer_boundary/
+                # stage.py:461-485 in AttentionStage.prepare; capture_output at stage.py:299 completes owed
+                # work first), so a fused all-reduce never hands the capture a per-rank partial sum.
             ),
             base_flags=(
                 (("--enable-metrics",), "metrics on: /metrics feeds the console's throughput and cache-hit gauges"),
@@ -70,8 +71,7 @@ PROFILES: dict[str, VersionProfile] = {
             ),
             capture_forbidden=(
                 "--enable-mixed-chunk", "--speculative-draft-model-path", "--speculative-num-steps",
-                "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--enable-flashinfer-allreduce-fusion",
-                "--flashinfer-allreduce-fusion-backend", "--cuda-graph-backend-prefill", "--cuda-graph-config",
+                "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--cuda-graph-backend-prefill", "--cuda-graph-config",
                 "--pp-size", "--pipeline-parallel-size",
             ),
         ),
