@@ -485,6 +485,9 @@ def cmd_server(args) -> int:
     manager = ServerManager(ws)
     if args.action == "command":
         spec = manager.spec(capture=not args.no_capture)
+        if args.json:
+            print(json.dumps(spec.to_json(), indent=2))
+            return 0
         print("# environment set for the server (plus your own environment)")
         for key, value in spec.redacted_env_set().items():
             print(f"export {key}={value}")
