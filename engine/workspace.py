@@ -236,6 +236,28 @@ def demo_config() -> Config:
     return config
 
 
+SERVER_PORTS = range(30000, 32768)  # below Linux's ephemeral range, where clients' own ports land
+
+
+def free_server_port(host: str, root: Path) -> int:
+    """A port no process listens on now, starting from one derived from the workspace path, so two
+    workspaces made before either server starts (two demos on one host) get different ports."""
+    import socket
+    import zlib
+
+    start = zlib.crc32(str(root).encode()) % len(SERVER_PORTS)
+    for offset in range(len(SERVER_PORTS)):
+        port = SERVER_PORTS[(start + offset) % len(SERVER_PORTS)]
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise WorkspaceError(f"no free port in {SERVER_PORTS.start}-{SERVER_PORTS.stop - 1} on {host}: "
+                         "stop some servers, or set server.port by hand after init")
+
+
 def init_workspace(root: Path | str, demo: bool = False, progress=None) -> Workspace:
     """Create a workspace; refuses to overwrite an existing config (nothing lost)."""
     ws = Workspace(root)
@@ -254,6 +276,7 @@ def init_workspace(root: Path | str, demo: bool = False, progress=None) -> Works
     if demo:
         _create_demo_content(ws, progress)
     config = demo_config() if demo else Config()
+    config.server.port = free_server_port(config.server.host, ws.root)
     ws.save_config(config)  # written last: a workspace with a config is complete
     return ws
 

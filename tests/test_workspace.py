@@ -175,3 +175,20 @@ def test_disk_budget_refuses_when_run_does_not_fit(tmp_path):
     ws.save_config(set_value(ws.config, "extract.disk_reserve_gb", 0.0))
     budget = {r.name: r for r in _disk_report(ws).results}["budget"]
     assert budget.status.value == "pass", budget.evidence
+
+
+def test_init_gives_each_workspace_a_free_port(tmp_path):
+    """Two workspaces on one host get different server ports, and a port in use is never handed out."""
+    import socket
+
+    from engine.workspace import free_server_port, init_workspace
+
+    first = init_workspace(tmp_path / "a").config.server.port
+    second = init_workspace(tmp_path / "b").config.server.port
+    assert first != second and 30000 <= first < 32768 and 30000 <= second < 32768
+    wanted = free_server_port("127.0.0.1", tmp_path / "c")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", wanted))
+        holder.listen()
+        got = init_workspace(tmp_path / "c").config.server.port
+    assert got != wanted
