@@ -163,6 +163,8 @@ class Engine:
         """Stage rows follow the jobs: `running` while a stage's job runs, `stale` once a job that
         feeds it started or ended after its check. Only rows whose view changed are sent."""
         for report in self.reports():
+            if self.pipeline.report(report.stage).state is StageState.RUNNING:
+                continue  # being checked: run_checks sends its result
             shown = (report.state, report.note)
             if self._stage_views.get(report.stage) != shown:
                 self._stage_views[report.stage] = shown

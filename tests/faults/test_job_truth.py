@@ -1,4 +1,4 @@
-"""Issue 20, items 7 and 8: what the console says about jobs and stages must be true.
+"""Issue 20, cases 7 and 8: what the console says about jobs and stages must be true.
 
 7. A failed job says why (its last error line) in `jobs list`, the toast, its pane and the stage's
    check; starting a job whose prerequisite stages are red asks first and names them; a foreign
@@ -30,6 +30,7 @@ from engine.config import set_value
 from engine.core import Engine
 from engine.jobs import JobManager
 from engine.workspace import Workspace
+from faults import ledger
 from eagle3_console.app import ConsoleApp
 from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.panes import PipelinePane
@@ -163,7 +164,10 @@ async def test_failed_extraction_says_why_in_toast_pane_check_and_jobs_list(tmp_
         line = next(line for line in listed.stdout.splitlines() if job.id in line)
         assert "failed" in line and cause in line and "Errno" in line, listed.stdout
         rows = json.loads(cli(ws, "jobs", "list", "--json").stdout)
-        assert cause in next(r for r in rows if r["id"] == job.id)["reason"]
+        reason = next(r for r in rows if r["id"] == job.id)["reason"]
+        assert cause in reason
+    print(f"\n  read-only output dir: job {job.id} failed, shown as {reason!r}")
+    ledger.add("failed job says why (read-only output)", trials=1, faults=1)
 
 
 def test_reason_is_the_last_error_line_of_the_log(tmp_path):
@@ -263,12 +267,13 @@ def test_client_backs_off_a_foreign_server_and_names_its_owner_once(tmp_path, ca
         with caplog.at_level(logging.WARNING):
             asyncio.run(main())
         requests = log.read_text().count("REQ /health_generate") - before
-        print(f"foreign server: {requests} /health_generate requests in 6 s from 4 pollers")
+        print(f"\n  foreign server: {requests} /health_generate requests in 6 s from 4 pollers")
         assert requests <= 8, f"{requests} requests in 6 s: the client hammers a foreign server"
         assert errors and f"pid {proc.pid}" in errors[-1] and "python" in errors[-1], errors[-1]
         named = [r.getMessage() for r in caplog.records if f"pid {proc.pid}" in r.getMessage()]
         assert len(named) == 1, named
         assert f"port {port}" in named[0]
+        ledger.add("foreign server on the port (4 pollers, 6 s)", trials=1, faults=1)
     finally:
         proc.kill()
         proc.wait()
@@ -317,6 +322,8 @@ async def test_running_jobs_show_running_in_status_and_pipeline_rows(tmp_path):
             go.touch()
             await wait_until(pilot, lambda: row_state(pane, "extract") != "running", 20, "the extract row updated")
             assert row_state(pane, "extract") == "failed"
+        print(f"\n  running jobs: status and the Pipeline rows say running for {extract.id}, {train.id}")
+        ledger.add("stage rows while their jobs run", trials=2, faults=2)
     finally:
         go.touch()
         for job in (extract, train):
@@ -367,3 +374,5 @@ async def test_results_under_another_config_or_before_a_job_read_stale(tmp_path)
         assert engine.reports()[1].state.value == "stale"  # the last check ran under other-model
     finally:
         await engine.close()
+    print(f"\n  stale results: model after a model.path change, evaluate after train job {train.id}")
+    ledger.add("stale stage results (config, later job)", trials=3, faults=3)
