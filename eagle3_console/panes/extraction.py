@@ -175,7 +175,8 @@ def notice_for(event: dict) -> tuple[str, str] | None:
 
 
 PHASE_COLOURS = {"running": "$success", "paused": "$warning", "finished": "$success", "stopped": "$warning",
-                 "error": "$error", "incomplete": "$warning", "planning": "$primary"}
+                 "error": "$error", "incomplete": "$warning", "planning": "$primary", "failed": "$error",
+                 "lost": "$error"}
 
 
 class ExtractionPane(Pane):
@@ -296,6 +297,8 @@ class ExtractionPane(Pane):
             self.query_one("#extract-warnings", Static).display = False
             return
         phase = v.phase or v.job_state or "starting"
+        if v.job_state in ("failed", "lost") and phase in ("starting", "planning", "running", "paused"):
+            phase = v.job_state  # it ended without saying so in its events: not "planning" any more
         colour = PHASE_COLOURS.get(phase, "$text-muted")
         job = f"job {esc(v.job_id)}" + (f" · {esc(v.job_state)}" if v.job_state and v.job_state != phase else "")
         lines = [f"[{colour}]● [b]{esc(phase)}[/b][/] · {job}"]

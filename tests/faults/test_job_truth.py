@@ -147,6 +147,7 @@ async def test_failed_extraction_says_why_in_toast_pane_check_and_jobs_list(tmp_
             await pilot.pause(0.3)
             await wait_until(pilot, lambda: cause in screen_text(app), 20, "the cause on the Extraction pane")
             assert "Errno" in screen_text(app)
+            assert "● failed" in screen_text(app) and "● planning" not in screen_text(app)
 
             # The stage is re-checked when the job ends: its first failure names the job's cause, and
             # the fix is not "run the very command that failed".
