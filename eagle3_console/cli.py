@@ -270,12 +270,22 @@ def status_data(ws) -> dict:
             "stages": [r.to_dict() for r in engine.reports()],
             "jobs": [_job_dict(j, with_progress=_show_progress(j, jobs)) for j in jobs],
             "evaluation": _evaluation_summary(ws),
-            "server": asyncio.run(engine.server.poll()).to_dict(),
+            "server": _server_dict(ws, asyncio.run(engine.server.poll())),
             "gpus": gpu.to_dict(),
             "disk": [_disk_dict(d) for d in disks],
         }
     finally:
         asyncio.run(engine.close())
+
+
+def _server_dict(ws, status) -> dict:
+    """The server's status; while ours is down, who else holds its port (checks would talk to it)."""
+    data = status.to_dict()
+    if status.state in ("stopped", "crashed"):
+        from engine.client import port_owner
+
+        data["port_owner"] = port_owner(ws.config.server.host, ws.config.server.port)
+    return data
 
 
 def _lock_held(ws) -> bool:
@@ -410,7 +420,9 @@ def cmd_status(args) -> int:
         print(f"  {GLYPHS.get(s['state'], '?')} {s['stage']:<9} {s['state']}{detail}")
     srv = data["server"]
     print(f"server: {srv['state']}" + (f" pid {srv['pid']} {srv['url']}" if srv.get("pid") else "")
-          + (f", {srv['gen_throughput']:.1f} tok/s" if srv.get("gen_throughput") is not None else ""))
+          + (f", {srv['gen_throughput']:.1f} tok/s" if srv.get("gen_throughput") is not None else "")
+          + (f"; its port {ws.config.server.port} is held by {srv['port_owner']}, not by this workspace's server"
+             if srv.get("port_owner") else ""))
     print("jobs:" if data["jobs"] else "jobs: none")
     for j in data["jobs"]:
         print(f"  {job_line(j)}")

@@ -71,6 +71,8 @@ class Engine:
         self._recheck_task: asyncio.Task | None = None
         self._server_phase: str | None = None  # "up" or "down", the last one seen
         self._stage_views: dict[str, tuple] = {}  # stage -> (state, note) last published
+        self._named_owners: set[tuple] = set()  # (port, owner) of foreign listeners already named
+        self._owner_task: asyncio.Task | None = None
         self._closed = False
 
     @property
@@ -205,12 +207,37 @@ class Engine:
             self.notify("error", f"server crashed (exit {status.exit_code}): {status.error}")
         self._emit(ServerUpdated(status=status))
         phase = SERVER_PHASES.get(status.state)
+        if phase == "down" and self._server_phase != "down":
+            self._check_port_owner()
         if phase is not None:
             # Came up or went down (a passing unhealthy poll is neither): the last `server` and
             # `capture` results describe a server that is gone.
             if self._server_phase is not None and phase != self._server_phase:
                 self._recheck(SERVER_STAGES)
             self._server_phase = phase
+
+    def _check_port_owner(self) -> None:
+        """Our server is down: if something else listens on its port, say whose port it is, once
+        (checks and extraction would talk to it; a start would fail to bind)."""
+        if self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._owner_task is None or self._owner_task.done():
+            self._owner_task = loop.create_task(self._name_port_owner(), name="port-owner")
+
+    async def _name_port_owner(self) -> None:
+        from engine.client import port_owner
+
+        host, port = self.config.server.host, self.config.server.port
+        owner = await asyncio.to_thread(port_owner, host, port)
+        if owner is None or (port, owner) in self._named_owners:
+            return
+        self._named_owners.add((port, owner))
+        self.notify("warning", f"server.port {port} is held by {owner}, not by this workspace's server: checks and "
+                               "extraction would talk to it and a start cannot bind; stop it or set server.port")
 
     def _recheck(self, stages) -> None:
         """Run these stages' checks again, in the background, because what they describe changed
@@ -269,6 +296,9 @@ class Engine:
         if self._recheck_task is not None:
             self._tasks.append(self._recheck_task)
             self._recheck_task = None
+        if self._owner_task is not None:
+            self._tasks.append(self._owner_task)
+            self._owner_task = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

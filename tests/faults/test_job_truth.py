@@ -275,9 +275,25 @@ def test_client_backs_off_a_foreign_server_and_names_its_owner_once(tmp_path, ca
         assert len(named) == 1, named
         assert f"port {port}" in named[0]
         ledger.add("foreign server on the port (4 pollers, 6 s)", trials=1, faults=1)
+
+        # The console and `status` of a workspace whose server.port it holds name it too, once.
+        ws = make_workspace(tmp_path / "console", **{"server.port": port})
+        assert f"held by pid {proc.pid}" in cli(ws, "status").stdout
+        asyncio.run(_console_names_the_owner_once(ws, proc.pid))
     finally:
         proc.kill()
         proc.wait()
+
+
+async def _console_names_the_owner_once(ws, pid: int) -> None:
+    app = ConsoleApp(Engine(ws))
+    toasts = record_toasts(app)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: any(f"pid {pid}" in t for t in toasts), 15,
+                         lambda: f"a toast naming the port's owner ({toasts})")
+        await pilot.pause(3.0)  # the server watcher polls every second: no second toast
+        named = [t for t in toasts if f"pid {pid}" in t]
+        assert len(named) == 1 and "server.port" in named[0], named
 
 
 def _answers(httpx, port: int) -> bool:
