@@ -43,7 +43,7 @@ STARTERS: dict[str, Callable] = {"extract": start_extract, "train": start_train,
 PREREQUISITES: dict[str, tuple[str, ...]] = {
     "extract": ("model", "dataset", "server", "capture", "disk"),
     "train": ("model", "extract"),
-    "evaluate": ("model", "server", "train"),
+    "evaluate": ("model", "train"),  # it launches its own servers (the capture server must be down)
 }
 
 
