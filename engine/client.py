@@ -278,6 +278,7 @@ class ServerClient:
         if state is not None:
             state.busy = True
         where = f"GET {self.base_url}{path}"
+        sent = time.monotonic()
         try:
             try:
                 response = await self._http.request("GET", path)
@@ -290,8 +291,9 @@ class ServerClient:
                 self._raise_for_status(response, where)
                 return
             state = self._foreign(state)
-            state.failures += 1
-            state.next_at = time.monotonic() + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (state.failures - 1))
+            if state.result_at < sent:  # probes sent together (several callers at once) count once
+                state.failures += 1
+                state.next_at = time.monotonic() + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (state.failures - 1))
             state.message = _foreign_message(where, response, state.owner, urlsplit(self.base_url).port)
             state.status = response.status_code
             state.result_at = time.monotonic()

@@ -269,7 +269,7 @@ def test_client_backs_off_a_foreign_server_and_names_its_owner_once(tmp_path, ca
             asyncio.run(main())
         requests = log.read_text().count("REQ /health_generate") - before
         print(f"\n  foreign server: {requests} /health_generate requests in 6 s from 4 pollers")
-        assert requests <= 8, f"{requests} requests in 6 s: the client hammers a foreign server"
+        assert requests <= 10, f"{requests} requests in 6 s: the client hammers a foreign server"
         assert errors and f"pid {proc.pid}" in errors[-1] and "python" in errors[-1], errors[-1]
         named = [r.getMessage() for r in caplog.records if f"pid {proc.pid}" in r.getMessage()]
         assert len(named) == 1, named
