@@ -140,8 +140,7 @@ def live_report(report: StageReport, config, jobs: Iterable = ()) -> StageReport
         if job is not None:
             since = job.started_at or job.created_at
             return replace(report, state=StageState.RUNNING,
-                           note=f"{job.kind} job {job.id} {job.state} since {_clock(since)}; "
-                                "its checks run again when it ends")
+                           note=f"{job.kind} job {job.id} {job.state} since {_clock(since)}")
     if report.state is StageState.PENDING:
         return report
     why = []
