@@ -1,88 +1,42 @@
-"""The export's weight names and shapes equal what SGLang's EAGLE-3 loader consumes.
+"""The export: SGLang's checkpoint layout, its config, its reload, and its integrity.
 
-Expected names are derived by reading sgl-project/sglang
-python/sglang/srt/models/llama_eagle3.py at commit 03d5a7771f6082e7737a5f19cae7d1e863087013:
-  * LlamaForCausalLMEagle3 holds `model` (LlamaModel) and `lm_head` (ParallelLMHead of
-    draft_vocab_size rows when tie_word_embeddings is false);
-  * LlamaModel has `embed_tokens` (replaced by the target's at serve time), `fc` (Linear
-    3*target_hidden_size -> hidden, bias only if config.bias), `midlayer` (decoder layer with
-    `self_attn.qkv_proj` taking 2*hidden, `self_attn.o_proj`, `mlp.gate_up_proj`, `mlp.down_proj`,
-    `input_layernorm`, `hidden_norm`, `post_attention_layernorm`) and `norm`;
-  * load_weights: a name containing "d2t" becomes hot_token_id (= d2t + arange), "t2d" is skipped,
-    q/k/v_proj stack into qkv_proj and gate/up_proj into gate_up_proj, a name not in params_dict
-    gets a "model." prefix, and a name that still matches nothing is silently skipped.
-The test re-applies that mapping to our export and requires every parameter except embed_tokens to be
-loaded with the right shape, and no name to be skipped.
+Names and shapes come from our table (engine/train/export.py `sglang_expected_shapes`);
+tests/test_sglang_judge.py loads an export through SGLang's real
+`LlamaForCausalLMEagle3.load_weights` (it replaced the hand-written replica of that loader that
+lived here). Integrity (issue 20, case 2): manifest.json signs both files with their sha256, nothing
+non-finite is exported, and a damaged or NaN export is refused by check_export / load_export.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 
 import pytest
 import torch
 
-from engine.train.export import check_export, export_drafter, load_export, sglang_expected_shapes
+from engine.train.export import (
+    MANIFEST, ExportError, check_export, export_config, export_drafter, export_tensors, load_export,
+    sglang_expected_shapes, verify_export,
+)
 from engine.train.model import DraftConfig, Eagle3Drafter
 from engine.train.vocab import build_vocab
 
-STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
 
-
-def sglang_params(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
-    """named_parameters() of SGLang's LlamaForCausalLMEagle3 (TP=1), from the source above."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv, inter = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
-    return {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.fc.weight": (h, 3 * cfg.target_hidden_size),
-        "model.midlayer.self_attn.qkv_proj.weight": (q + 2 * kv, 2 * h),
-        "model.midlayer.self_attn.o_proj.weight": (h, q),
-        "model.midlayer.mlp.gate_up_proj.weight": (2 * inter, h),
-        "model.midlayer.mlp.down_proj.weight": (h, inter),
-        "model.midlayer.input_layernorm.weight": (h,),
-        "model.midlayer.hidden_norm.weight": (h,),
-        "model.midlayer.post_attention_layernorm.weight": (h,),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (cfg.draft_vocab_size, h),
-    }
-
-
-def simulate_sglang_load(cfg: DraftConfig, weights: dict[str, torch.Tensor]):
-    """Replays load_weights' name handling; returns (loaded rows per param, hot_token_id, skipped)."""
-    params = sglang_params(cfg)
-    loaded: dict[str, int] = {}
-    skipped, hot = [], None
-    for name, tensor in weights.items():
-        if "d2t" in name:
-            hot = tensor + torch.arange(tensor.shape[0])
-            continue
-        if "t2d" in name:
-            continue
-        for param_name, shard_name, _ in STACKED:
-            if shard_name not in name:
-                continue
-            name = name.replace(shard_name, param_name)
-            target = f"model.{name}" if name not in params else name
-            if target in params:
-                assert tensor.shape[1:] == params[target][1:], name
-                loaded[target] = loaded.get(target, 0) + tensor.shape[0]
-            else:
-                skipped.append(name)
-            break
-        else:
-            target = name if name in params else f"model.{name}"
-            if target in params:
-                assert tuple(tensor.shape) == params[target], (name, tensor.shape, params[target])
-                loaded[target] = loaded.get(target, 0) + tensor.shape[0]
-            else:
-                skipped.append(name)
-    return params, loaded, hot, skipped
+def _drafter(hidden: int = 64, target_hidden: int = 96, inter: int = 160) -> Eagle3Drafter:
+    cfg = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, intermediate_size=inter,
+                      vocab_size=300, draft_vocab_size=50, target_hidden_size=target_hidden,
+                      aux_layers_sglang=[2, 3, 1])
+    torch.manual_seed(0)
+    model = Eagle3Drafter(cfg)
+    vocab = build_vocab(torch.randint(0, 100, (300,), generator=torch.Generator().manual_seed(1)), 50)
+    model.set_vocab(vocab.d2t, vocab.t2d)
+    return model
 
 
 @pytest.mark.parametrize("target_hidden", [64, 96])
-def test_export_matches_sglang_loader(tmp_path, target_hidden):
+def test_export_layout_config_and_reload(tmp_path, target_hidden):
     cfg = DraftConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
                       vocab_size=300, draft_vocab_size=50, target_hidden_size=target_hidden,
                       aux_layers_sglang=[2, 3, 1])
@@ -97,15 +51,10 @@ def test_export_matches_sglang_loader(tmp_path, target_hidden):
     from safetensors.torch import load_file
 
     weights = load_file(str(out / "model.safetensors"))
-    assert set(weights) == set(sglang_expected_shapes(cfg))
-    params, loaded, hot, skipped = simulate_sglang_load(cfg, weights)
-    assert skipped == []
-    for name, shape in params.items():
-        if name == "model.embed_tokens.weight":
-            assert name not in loaded  # SGLang installs the target's embedding
-            continue
-        assert loaded.get(name) == shape[0], f"{name}: loaded {loaded.get(name)} rows of {shape[0]}"
+    assert set(weights) == set(sglang_expected_shapes(cfg))  # the sidecar adds no tensor
+    assert {name: tuple(w.shape) for name, w in weights.items()} == sglang_expected_shapes(cfg)
     assert weights["d2t"].dtype == torch.int64
+    hot = weights["d2t"] + torch.arange(weights["d2t"].shape[0])  # what SGLang turns d2t into
     assert torch.equal(hot, torch.nonzero(vocab.t2d).flatten())
     top = torch.argsort(-counts, stable=True)[:50]
     assert set(hot.tolist()) == set(top.tolist())  # draft ids map back to the most frequent target tokens
@@ -129,6 +78,102 @@ def test_export_matches_sglang_loader(tmp_path, target_hidden):
     aux = torch.randn(1, 12, 3 * target_hidden)
     for a, b in zip(model.draft_logits(ids, aux, steps=2), reloaded.draft_logits(ids, aux, steps=2)):
         assert torch.allclose(a, b, atol=0.05, rtol=0.05)
+
+
+def test_export_is_signed_with_the_sha256_of_both_files(tmp_path):
+    out = export_drafter(_drafter(), tmp_path / "export")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", MANIFEST, "model.safetensors"]  # no temp files
+    manifest = json.loads((out / MANIFEST).read_text())
+    for name in ("model.safetensors", "config.json"):
+        data = (out / name).read_bytes()
+        assert manifest["files"][name] == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}, name
+    verdict = verify_export(out)
+    assert verdict.problems == [] and verdict.signed
+    assert verdict.sha256 == manifest["files"]["model.safetensors"]["sha256"]
+    assert verdict.values == manifest["values"] - 50 - 300  # d2t/t2d are not floating point
+    # A hand-edited config.json no longer matches what was signed.
+    config = json.loads((out / "config.json").read_text())
+    config["rope_theta"] = 1.0
+    (out / "config.json").write_text(json.dumps(config))
+    problems = check_export(out)
+    assert any("config.json: sha256" in p and "changed since" in p for p in problems), problems
+
+
+def _data_start(path) -> int:
+    with open(path, "rb") as handle:
+        return 8 + struct.unpack("<Q", handle.read(8))[0]
+
+
+def test_a_64k_overwrite_of_the_weights_is_caught_by_hash_and_by_the_finite_scan(tmp_path):
+    """Issue 20 case 2: 64 KiB of 0xFF inside the tensor data (bf16 0xFFFF is NaN)."""
+    from safetensors.torch import load_file
+
+    out = export_drafter(_drafter(hidden=128, target_hidden=128, inter=256), tmp_path / "export")
+    weights = out / "model.safetensors"
+    assert check_export(out) == []
+    offset = _data_start(weights) + 4096
+    assert offset + 65536 <= weights.stat().st_size
+    with open(weights, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(b"\xff" * 65536)
+    counts = {n: int((~torch.isfinite(t.float())).sum()) for n, t in load_file(str(weights)).items()
+              if t.is_floating_point()}
+    counts = {n: c for n, c in counts.items() if c}
+    assert sum(counts.values()) == 32768, counts  # every bf16 of the block
+    problems = check_export(out)
+    assert any("model.safetensors: sha256" in p for p in problems), problems
+    scan = [p for p in problems if "non-finite" in p]
+    assert scan and "32,768 non-finite values" in scan[0], problems
+    for name, count in counts.items():
+        assert f"{name} {count:,} non-finite" in scan[0] or len(counts) > 4, (name, scan)
+    assert not verify_export(out).signed
+    with pytest.raises(ExportError, match="sha256"):
+        load_export(out)
+
+
+def test_a_drafter_with_nonfinite_weights_is_not_exported(tmp_path):
+    out = export_drafter(_drafter(), tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    model = _drafter()
+    with torch.no_grad():
+        model.fc.weight[0, :7] = float("nan")
+        model.norm.weight[3] = float("inf")
+    with pytest.raises(ExportError) as failure:
+        export_drafter(model, out)
+    message = str(failure.value)
+    assert "8 non-finite values" in message and "fc.weight 7 non-finite" in message and "norm.weight 1" in message
+    assert "train.learning_rate" in message
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "the good export was touched"
+    with pytest.raises(ExportError):
+        export_drafter(model, tmp_path / "fresh")
+    assert not (tmp_path / "fresh" / "config.json").exists()
+
+
+def test_an_unsigned_export_is_checked_for_finite_weights(tmp_path):
+    """Written as the version before manifest.json did (no sidecar, no check): usable when finite, but
+    not signed; red with the count when not."""
+    from safetensors.torch import save_file
+
+    model = _drafter()
+    out = tmp_path / "export"
+    out.mkdir()
+
+    def write_old(model):
+        save_file(export_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(export_config(model.cfg)))
+
+    write_old(model)
+    verdict = verify_export(out)
+    assert verdict.problems == [] and not verdict.signed and verdict.values > 0
+    with torch.no_grad():
+        for param in model.trainable_parameters():
+            param.fill_(float("nan"))
+    write_old(model)
+    total = sum(t.numel() for n, t in export_tensors(model).items() if t.is_floating_point())
+    problems = check_export(out)
+    assert len(problems) == 1 and f"{total:,} non-finite values" in problems[0], problems
+    (out / MANIFEST).write_text("{not json")
+    assert any(MANIFEST in p and "unreadable" in p for p in check_export(out))
 
 
 def test_check_export_catches_wrong_names_and_config(tmp_path):

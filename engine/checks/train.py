@@ -1,5 +1,8 @@
-"""Stage `train`: green only when the SGLang export exists, its config.json is right and its
-weight names/shapes are exactly what SGLang's llama_eagle3 loader consumes; red with the reason
+"""Stage `train`: green only when the SGLang export exists, its config.json is right, its weight
+names/shapes are exactly SGLang's llama_eagle3 checkpoint layout (our table in engine/train/export.py,
+held to SGLang's real load_weights by tests/test_sglang_judge.py), both files hash to what
+manifest.json signed at export and every weight is finite; amber for an unsigned export (no
+manifest: written by an older version) whose weights are finite; red with the reason
 when the last run of the drafter failed (the `failed` line engine.train.loop writes at the end
 of metrics.jsonl, e.g. for non-finite loss or gradients; a resume trims it)."""
 
@@ -7,10 +10,12 @@ from __future__ import annotations
 
 import json
 
-from engine.checks.base import CheckResult, failed, passed
+from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
 
 START_FIX = "start training: `eagle3-console run train` (a stopped run resumes from its last checkpoint)"
+LAYOUT = ("names and shapes of SGLang's LlamaForCausalLMEagle3 checkpoint layout (our table, held to SGLang's "
+          "real load_weights by tests/test_sglang_judge.py)")
 
 
 def _last_record(metrics_path) -> dict | None:
@@ -51,7 +56,7 @@ def _failure(last: dict | None) -> str | None:
 def check_train(ctx: CheckContext) -> list[CheckResult]:
     from engine.jobs import JobManager
     from engine.train import checkpoint as ckpt
-    from engine.train.export import CONFIG, EXPORT_DIR, check_export
+    from engine.train.export import CONFIG, EXPORT_DIR, MANIFEST, SIGN_FIX, verify_export
 
     out = ctx.workspace.drafter_dir
     export = out / EXPORT_DIR
@@ -73,12 +78,19 @@ def check_train(ctx: CheckContext) -> list[CheckResult]:
         if active:
             return [failed("export", f"training running (job {active[0].id}): {progress}", "wait for it to finish")]
         return [failed("export", f"no export in {export}; {progress}", START_FIX)]
-    problems = check_export(export)
-    if problems:
-        return [failed("export", f"{export}: {'; '.join(problems[:3])}",
-                       "re-export: resume the training run (it exports at the end), or report a bug")]
-    results = [passed("export", f"{export}: config.json and weights match SGLang's LlamaForCausalLMEagle3 loader; "
-                                f"{progress}")]
+    verdict = verify_export(export)
+    if verdict.problems:
+        return [failed("export", f"{export}: {'; '.join(verdict.problems[:3])}",
+                       f"re-export: {SIGN_FIX}; if the new export is refused too, report a bug")]
+    finite = f"all {verdict.values:,} weights finite"
+    if verdict.signed:
+        results = [passed("export", f"{export}: config.json and weights match the {LAYOUT}; sha256 "
+                                    f"{verdict.sha256[:12]}… as signed at export in {MANIFEST}, {finite}; {progress}")]
+    else:
+        results = [warned("export", f"{export}: unverified: no {MANIFEST} (exported by an older version, or the "
+                                    f"export stopped before signing it), so nothing says these are the bytes "
+                                    f"training wrote; {finite}; config.json and weights match the {LAYOUT}; "
+                                    f"{progress}", f"sign it: {SIGN_FIX}")]
     if active:
         results.append(failed("job", f"training job {active[0].id} still running; the export may be replaced",
                               "wait for it to finish"))
