@@ -261,15 +261,49 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         if not self.is_main:
             return None
-        path = ckpt.save(self.out_dir, self.step, self._state())
+        try:
+            path = ckpt.save(self.out_dir, self.step, self._state())
+        except ckpt.CheckpointError as exc:  # the loop saves only finite weights: a bug if it happens
+            raise TrainError(f"{exc}; report a bug") from None
         self.event("checkpoint", step=self.step, path=str(path))
         return path
 
+    def _verified_checkpoint(self) -> dict | None:
+        """The state to resume from: latest.json's checkpoint when it verifies (sha256 beside it, finite
+        weights), else the newest one that does, each refusal an event naming the file and why. None when
+        there is no checkpoint at all (a fresh start); TrainError when there are only damaged ones: a
+        start over is the user's call, never taken silently."""
+        named = (ckpt.latest(self.out_dir) or {}).get("path")
+        order = ([named] if named else []) + [name for name in ckpt.candidates(self.out_dir) if name != named]
+        if not order:
+            return None  # --resume on a fresh run simply starts
+        rejected = []
+        for name in order:
+            try:
+                state, signed = ckpt.load_checked(self.out_dir, name)
+            except ckpt.CheckpointError as exc:
+                rejected.append(str(exc))
+                self.event("checkpoint_rejected", path=name, message=f"not resumed from {name}: {exc}")
+                continue
+            if not signed:
+                self.event("checkpoint_unverified", path=name,
+                           message=f"{name} has no {ckpt.MANIFEST} (saved by an older version): resumed from it "
+                                   "on finite weights alone")
+            if rejected:
+                self.event("checkpoint_fallback", path=name, step=int(state["step"]),
+                           message=f"resuming from {name}, the newest intact checkpoint; "
+                                   f"{len(rejected)} newer one(s) refused")
+            return state
+        root = ckpt.ckpt_root(self.out_dir)
+        raise TrainError(f"no intact checkpoint to resume from in {root} (nothing was trained): "
+                         f"{'; '.join(rejected[:3])}{f'; and {len(rejected) - 3} more' if len(rejected) > 3 else ''}. "
+                         f"To start over, set train.run to a new name (this drafter directory is kept) or move "
+                         f"{root} aside, then `eagle3-console run train`")
+
     def _load_checkpoint(self) -> None:
-        try:
-            state = ckpt.load(self.out_dir)
-        except FileNotFoundError:
-            return  # --resume on a fresh run simply starts
+        state = self._verified_checkpoint()
+        if state is None:
+            return
         if state["config"] != self.model.cfg.to_dict():
             raise TrainError(f"checkpoint in {self.out_dir} was made for another drafter shape; "
                              "set train.run to a new name")
@@ -506,20 +540,29 @@ class Trainer:
 
     def export(self) -> Path | None:
         """Export the best checkpoint (by simulated acceptance length), else the current weights."""
-        from engine.train.export import export_drafter
+        from engine.train.export import ExportError, export_drafter
 
         if not self.is_main:
             return None
         marker = ckpt.best(self.out_dir)
+        model, rejected = self.model, None
         if marker:
-            state = ckpt.load(self.out_dir, marker["path"])
-            model = Eagle3Drafter(self.model.cfg)
-            model.load_state_dict({**state["model"], "embed_tokens.weight": self.model.embed_tokens.weight.cpu()})
-        else:
-            model = self.model
-        path = export_drafter(model, self.out_dir / "export")
+            try:
+                state = ckpt.load(self.out_dir, marker["path"])
+            except (ckpt.CheckpointError, FileNotFoundError) as exc:
+                # Damaged since it was saved: the current (finite, checked again below) weights instead.
+                rejected = f"best checkpoint {marker['path']} not exported: {exc}; exported the weights of step {self.step}"
+                self.event("checkpoint_rejected", path=marker["path"], message=rejected)
+                marker = None
+            else:
+                model = Eagle3Drafter(self.model.cfg)
+                model.load_state_dict({**state["model"], "embed_tokens.weight": self.model.embed_tokens.weight.cpu()})
+        try:
+            path = export_drafter(model, self.out_dir / "export")
+        except ExportError as exc:
+            raise TrainError(str(exc)) from None
         self.event("finished", step=self.step, export=str(path), best_sim_al=self.best_sim_al,
-                   best_step=(marker or {}).get("step"))
+                   best_step=(marker or {}).get("step"), **({"best_rejected": rejected} if rejected else {}))
         return path
 
 
