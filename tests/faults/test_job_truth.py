@@ -36,7 +36,7 @@ from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.panes import PipelinePane
 from tests.test_console import make_workspace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 START_FIX = "start the extraction: `eagle3-console run extract` or `x` on the Extraction pane"
 
 WAITING_JOB = """
