@@ -52,11 +52,11 @@ def _ids_note(stats: DatasetStats) -> str:
 
 def _model_positions(model_dir: Path) -> int | None:
     """The target's max_position_embeddings, or None when unknown."""
-    from engine.checks.model import read_model_config
+    from engine.target import TargetError, text_config
 
     try:
-        value = read_model_config(model_dir).get("max_position_embeddings")
-    except (OSError, ValueError):
+        value = text_config(model_dir).get("max_position_embeddings")
+    except TargetError:
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
