@@ -131,11 +131,10 @@ def demo_workspace(root: Path, args):
 
 
 def model_label(ws) -> str:
-    from engine.checks.model import read_model_config
+    from engine.target import workspace_plan
 
-    cfg = read_model_config(ws.model_dir)
-    return (f"{ws.model_dir.name} (hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
-            f"{ws.config.model.dtype})")
+    plan = workspace_plan(ws)
+    return f"{ws.model_dir.name} (hidden {plan.hidden_size}, {plan.num_layers} layers, {ws.config.model.dtype})"
 
 
 # ----------------------------------------------------------------------------- the disk side
