@@ -192,6 +192,14 @@ class EvaluateConfig:
     spec_steps: int = setting(3, low=1, high=64, help="speculative steps per verify")
     spec_topk: int = setting(1, low=1, high=64, help="drafter candidates per step")
     spec_draft_tokens: int = setting(4, low=1, high=1024, help="tokens verified per step")
+    rounds: int = setting(3, low=1, high=1000, help="measurement rounds; baseline and speculative runs interleave "
+                                                    "per prompt in each")
+    concurrency: list[int] = setting(factory=lambda: [1, 4, 16],
+                                     help="requests in flight measured (1..1024 each); a level above the number "
+                                          "of prompts is skipped")
+    sweep_steps: list[int] = setting(factory=lambda: [1, 2, 3, 4, 5],
+                                     help="speculative steps tried (top-k 1) for the recommendation; [] = only "
+                                          "spec_steps")
 
 
 @dataclass

@@ -307,7 +307,7 @@ def test_trained_drafter_accepts_more_than_untrained(pipeline):
     """Measured on the prompts whose records it trained on: a tiny random target has no structure
     that generalises to new prompts, but any misalignment between training and decoding (layer ids,
     shift, positions, d2t) would keep the trained drafter at the untrained level."""
-    _, untrained, trained, _ = pipeline
+    _, untrained, trained, events = pipeline
     assert untrained["overall"]["acceptance_length"] < 1.3
     assert trained["overall"]["acceptance_length"] > untrained["overall"]["acceptance_length"] + 0.4
     for report in (untrained, trained):
@@ -317,6 +317,23 @@ def test_trained_drafter_accepts_more_than_untrained(pipeline):
         assert len(o["position_accept"]) == 3
         assert o["position_accept"][0] >= o["position_accept"][1] >= o["position_accept"][2]
         assert o["acceptance_length"] == pytest.approx(o["completion_tokens"] / o["verify_steps"])
+        # Measured with its noise: 3 rounds, concurrency 1 and 4 (16 > 6 prompts: skipped, said so), steps 1-5.
+        assert [lv["concurrency"] for lv in report["levels"]] == [1, 4]
+        assert any("concurrency 16 skipped" in n for n in report["notes"])
+        for level in report["levels"]:
+            assert [s["spec_steps"] for s in level["settings"]] == [1, 2, 3, 4, 5]
+            for s in level["settings"]:
+                assert s["greedy_matches"] == s["greedy_compared"] > 0  # batched rows equal greedy too
+                lo, hi = s["speedup"]["interval"]
+                assert lo <= s["speedup"]["median"] <= hi
+                assert s["speedup"]["verdict"] in ("faster", "slower", "inconclusive")
+        m = report["measurement"]
+        assert m["concurrency"] == 1 and m["spec_steps"] == 3 and m["speedup"]["samples"] == 6 * 3
+        assert m["break_even"] > 0 and report["load"]["cpus"] >= 1
+        assert report["recommendation"]["swept"] == [1, 2, 3, 4, 5]
+    progress = [e for e in events if e["type"] == "progress"]
+    assert progress[-1]["done"] == progress[-1]["total"] == (6 + 4) * 3  # requests x rounds, both levels
+    assert {e["concurrency"] for e in progress} == {1, 4} and progress[-1]["acceptance_length"] > 1.0
 
 
 def test_report_identity_and_final_event_table(pipeline):
@@ -325,6 +342,9 @@ def test_report_identity_and_final_event_table(pipeline):
     ws, _, trained, events = pipeline
     weights = ws.drafter_dir / "export" / "model.safetensors"
     assert trained["drafter"]["sha256"] == file_sha256(weights)
+    assert trained["drafter"]["config_sha256"] == file_sha256(weights.parent / "config.json")
+    assert trained["drafter"]["signed"] is True  # the export's own manifest.json vouches for both hashes
+    assert trained["target"]["config_sha256"] == file_sha256(ws.model_dir / "config.json")
     assert Path(trained["drafter"]["path"]) == weights.parent.resolve()
     finished = [e for e in events if e["type"] == "finished"]
     assert finished and finished[0]["table"] == render_table(trained)
@@ -340,7 +360,7 @@ def test_stage_gate_follows_the_current_export_and_speed(pipeline):
     from engine.checks.base import StageState, Status, stage_state
     from engine.checks.context import CheckContext
     from engine.checks.evaluate import check_evaluate
-    from engine.evaluate.report import SLOWER, overall, read_report, render_table, write_report, PromptResult
+    from engine.evaluate.report import SLOWER, PromptResult, build_report, read_report, render_table, write_report
 
     ws, untrained, trained, _ = pipeline
     ctx = CheckContext(ws)
@@ -352,22 +372,22 @@ def test_stage_gate_follows_the_current_export_and_speed(pipeline):
         prompts = [PromptResult(**{k: v for k, v in p.items() if k in fields}) for p in edited["prompts"]]
         for p in prompts:
             p.base_seconds = p.spec_seconds * factor  # EDITED timing
-        edited["prompts"] = [p.to_dict() for p in prompts]
-        edited["overall"] = overall(prompts)
-        return edited
+        return build_report(backend="local", drafter=edited["drafter"], target=edited["target"],
+                            settings=edited["settings"], prompts=prompts, load=edited["load"])
 
     fast = with_base_seconds(1.5)
     write_report(ws.eval_dir, fast)
     results = {r.name: r for r in check_evaluate(ctx)}
     assert results["drafter"].status is Status.PASS
     assert results["greedy"].status is Status.PASS
-    assert results["speedup"].status is Status.PASS and "1.50×" in results["speedup"].evidence
+    assert results["speedup"].status is Status.PASS and "1.50× [1.47–1.53]" in results["speedup"].evidence
     assert stage_state(list(results.values())) is StageState.PASSED
 
     slow = with_base_seconds(0.66)
     write_report(ws.eval_dir, slow)
     results = {r.name: r for r in check_evaluate(ctx)}
     assert results["speedup"].status is Status.FAIL and SLOWER in results["speedup"].evidence
+    assert "break-even" in results["speedup"].fix
     assert stage_state(list(results.values())) is StageState.FAILED
     table = render_table(slow)
     assert SLOWER in table and "0.66×" in table
@@ -385,9 +405,9 @@ def test_stage_gate_follows_the_current_export_and_speed(pipeline):
             drafter.norm.weight.mul_(1.01)
         export_drafter(drafter, export)
         results = check_evaluate(ctx)
-        assert results[0].name == "drafter" and results[0].status is Status.FAIL
-        assert "stale" in results[0].evidence
-        assert stage_state(results) is StageState.FAILED
+        assert results[0].name == "drafter" and results[0].status is Status.WARN  # amber: stale
+        assert "stale" in results[0].evidence and "model.safetensors changed" in results[0].evidence
+        assert stage_state(results) is StageState.WARNED
     finally:
         shutil.rmtree(export)
         shutil.copytree(backup, export)
@@ -422,7 +442,8 @@ def test_report_constants_match_the_export_module():
     from engine.evaluate import report
     from engine.train import export
 
-    assert (report.EXPORT_DIR, report.WEIGHTS) == (export.EXPORT_DIR, export.WEIGHTS)
+    assert (report.EXPORT_DIR, report.WEIGHTS, report.CONFIG, report.MANIFEST) == (
+        export.EXPORT_DIR, export.WEIGHTS, export.CONFIG, export.MANIFEST)
 
 
 # ----------------------------------------------------------------------------- SGLang (argv + parsing only)
@@ -504,7 +525,7 @@ def test_render_table_text():
     assert "differs at 17" in slow and "1/2" in slow
     assert "draft  1  " in slow and "65.7%" in slow  # 23/35 verify steps accepted draft 1
     fast = render_table(_sample_report(1.4))
-    assert "slower" not in fast and "1.40× faster than no speculation" in fast
+    assert "slower" not in fast and "1.40× [1.37–1.43] faster than no speculation" in fast
 
 
 async def test_evaluation_pane_renders_report_and_red_verdict():
@@ -558,6 +579,7 @@ def test_an_export_with_wrong_layer_ids_cannot_pass_evaluation(pipeline, tmp_pat
         data = json.loads(config.read_text())
         data["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
         config.write_text(json.dumps(data))
+        (config.parent / "manifest.json").unlink(missing_ok=True)  # hand-edited: no longer signed
 
     write_ids([1, 2, 3])
     jobs = JobManager(copy.jobs_dir)

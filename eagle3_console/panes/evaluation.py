@@ -1,5 +1,8 @@
-"""Evaluation pane: the report's table, acceptance per draft position as bars, and the verdict —
-red "slower than no speculation" when speculation does not pay for itself.
+"""Evaluation pane: the three-way verdict (green faster, red slower, amber inconclusive: the 95 %
+interval of the median speedup straddles 1.0) with its fix, one row per concurrency level, the
+recommended SGLang settings per level, then the per-prompt table and acceptance per draft
+position. While an evaluate job runs: requests x rounds done, the level and round, and the
+running acceptance length.
 
 With `eval_dir`, the pane reads `<eval_dir>/report.json` in a thread worker (never on the UI
 thread): on mount and whenever `reload()` is called (the app calls it when an evaluate job
@@ -23,14 +26,20 @@ from textual.widgets import Static
 
 from eagle3_console.messages import JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
+from engine.evaluate import stats
 from engine.evaluate.report import (
     ReportError,
+    best_setting,
+    fix_line,
     header_line,
-    is_slower,
+    level_lines,
     position_lines,
     read_report,
+    recommendation_lines,
+    setting_of,
     table_lines,
     verdict,
+    verdict_kind,
 )
 
 WIDE_TABLE = 84  # cells the full table needs; narrower panes get the compact one
@@ -61,6 +70,25 @@ def compact_table_lines(report: dict[str, Any], max_rows: int = 50) -> list[str]
     return lines
 
 
+def compact_level_lines(report: dict[str, Any]) -> list[str]:
+    """One row per concurrency level in 76 cells: speedup [interval], verdict, tok/s each side, best."""
+    levels = report.get("levels") or []
+    if not levels:
+        return []
+    head = f"{'conc':>4} {'speedup [95%]':<19} {'verdict':<12} {'tok/s base→spec':<17} best"
+    lines = [head, "─" * 66]
+    for level in levels:
+        s = setting_of(level, level.get("configured")) or best_setting(level.get("settings") or []) or {}
+        sp = s.get("speedup") or {}
+        best = setting_of(level, level.get("best"))
+        tps = s.get("base_tokens_per_s"), s.get("spec_tokens_per_s")
+        rates = "—" if None in tps else f"{tps[0]:.0f}→{tps[1]:.0f}"
+        best_text = f"{best['spec_steps']} steps {best['speedup'].get('median') or 0:.2f}×" if best else "—"
+        lines.append(f"{level['concurrency']:>4} {stats.fmt_interval(sp):<19} {str(sp.get('verdict') or '—'):<12} "
+                     f"{rates:<17} {best_text}")
+    return lines
+
+
 EMPTY_TEXT = "no evaluation yet — run the evaluate stage to measure acceptance length and speedup"
 
 
@@ -87,6 +115,10 @@ class EvaluationPane(Pane):
     EvaluationPane #evaluation-job { height: auto; }
     EvaluationPane #evaluation-verdict { height: auto; text-style: bold; color: $success; }
     EvaluationPane #evaluation-verdict.-slower { color: $error; }
+    EvaluationPane #evaluation-verdict.-inconclusive { color: $warning; }
+    EvaluationPane #evaluation-fix { height: auto; color: $warning; }
+    EvaluationPane #evaluation-levels { height: auto; margin: 1 0 0 0; }
+    EvaluationPane #evaluation-recommendation { height: auto; color: $accent; }
     EvaluationPane #evaluation-notes { height: auto; color: $text-muted; }
     """
 
@@ -105,6 +137,9 @@ class EvaluationPane(Pane):
         # The verdict goes first: at 80x24 it is the line that matters, the table scrolls.
         yield Static("", id="evaluation-job")
         yield Static("", id="evaluation-verdict", markup=False)
+        yield Static("", id="evaluation-fix", markup=False)
+        yield Static("", id="evaluation-levels", markup=False)  # one row per concurrency, above the scroll
+        yield Static("", id="evaluation-recommendation", markup=False)
         yield Static("", id="evaluation-header", markup=False)
         with ScrollableContainer(id="evaluation-scroll"):  # a table wider than the pane scrolls sideways
             yield Static("", id="evaluation-table", markup=False)
@@ -156,9 +191,7 @@ class EvaluationPane(Pane):
             return
         for event in message.events:
             if event.get("type") == "progress":
-                al = event.get("acceptance_length")
-                self.job_progress = (f"{event.get('done', '?')}/{event.get('total', '?')} prompts"
-                                     + (f" · acceptance length so far {al:.2f}" if isinstance(al, (int, float)) else ""))
+                self.job_progress = progress_text(event)
             elif event.get("type") == "error":
                 self.job_progress = f"error: {event.get('message', '')}"
         self._render_job()
@@ -198,23 +231,52 @@ class EvaluationPane(Pane):
         positions = self.query_one("#evaluation-positions", Static)
         verdict_line = self.query_one("#evaluation-verdict", Static)
         notes = self.query_one("#evaluation-notes", Static)
+        fix = self.query_one("#evaluation-fix", Static)
+        levels = self.query_one("#evaluation-levels", Static)
+        rec = self.query_one("#evaluation-recommendation", Static)
         if not report:
             header.update(EMPTY_TEXT)
             unreadable = self.problem and "no evaluation report at" not in self.problem
             notes.update(self.problem if unreadable else "")
-            for widget in (table, positions, verdict_line):
+            for widget in (table, positions, verdict_line, fix, levels, rec):
                 widget.update("")
-            verdict_line.display = False
-            verdict_line.remove_class("-slower")
+            for widget in (verdict_line, fix, levels, rec):
+                widget.display = False
+            verdict_line.remove_class("-slower", "-inconclusive")
             return
         verdict_line.display = True
         header.update(header_line(report))
         width = self.content_region.width or 76
         table.update("\n".join(compact_table_lines(report) if width < WIDE_TABLE else table_lines(report)))
         positions.update("\n".join(["acceptance per draft position"] + ["  " + line for line in position_lines(report)]))
-        slower = is_slower(report)
+        kind = verdict_kind(report)
         acceptance = (report.get("overall") or {}).get("acceptance_length")
         al = f"acceptance length {acceptance:.2f} · " if isinstance(acceptance, (int, float)) else ""
-        verdict_line.update(("SLOWER: " if slower else "") + al + verdict(report))
-        verdict_line.set_class(slower, "-slower")
+        prefix = {stats.SLOWER: "SLOWER: ", stats.INCONCLUSIVE: "INCONCLUSIVE: "}.get(kind, "")
+        verdict_line.update(prefix + al + verdict(report))
+        verdict_line.set_class(kind == stats.SLOWER, "-slower")
+        verdict_line.set_class(kind == stats.INCONCLUSIVE, "-inconclusive")
+        fix_text = fix_line(report)
+        fix.display = bool(fix_text)
+        fix.update("fix: " + fix_text if fix_text else "")
+        rows = level_lines(report) if width >= len((level_lines(report) or [""])[0]) else compact_level_lines(report)
+        levels.display = bool(rows)
+        levels.update("\n".join(rows))
+        rec_lines = recommendation_lines(report)
+        rec.display = bool(rec_lines)
+        rec.update("\n".join(rec_lines))
         notes.update("\n".join(f"note: {n}" for n in report.get("notes") or []))
+
+
+def progress_text(event: dict[str, Any]) -> str:
+    """A progress event of the evaluate job as one line."""
+    text = f"{event.get('done', '?')}/{event.get('total', '?')} {event.get('unit') or 'prompts'}"
+    if event.get("concurrency") is not None:
+        text += f" · concurrency {event['concurrency']} round {event.get('round')}/{event.get('rounds')}"
+    al = event.get("acceptance_length")
+    if isinstance(al, (int, float)):
+        text += f" · acceptance length so far {al:.2f}"
+    sp = event.get("speedup")
+    if isinstance(sp, (int, float)):
+        text += f" · median speedup so far {sp:.2f}×"
+    return text

@@ -1,5 +1,9 @@
-"""Stage `evaluate`: green only with a report measured for the CURRENT drafter export, with output
-equal to greedy decoding and speculation at least as fast as none."""
+"""Stage `evaluate`: green only with a report measured for the CURRENT drafter export and target,
+with output equal to greedy decoding and speculation measurably faster than none.
+
+The speedup check follows the report's three-way verdict (engine.evaluate.stats): green when the
+95 % interval of the median speedup lies above 1.0, red below, amber when it straddles 1.0 (the
+measurement cannot tell). A report of another export or target is amber "stale"."""
 
 from __future__ import annotations
 
@@ -11,14 +15,48 @@ from engine.checks.context import CheckContext
 RUN_FIX = "run the evaluation: `eagle3-console run evaluate`"
 
 
+def _running(ws, job) -> str:
+    """`evaluation running (job X)` plus its newest progress: requests x rounds done, running acceptance."""
+    from engine.jobs import JobManager
+
+    text = f"evaluation running (job {job.id})"
+    try:
+        events, _ = JobManager(ws.jobs_dir).events(job.id)
+    except Exception:  # progress is a courtesy; the job's state is the fact
+        return text
+    last = next((e for e in reversed(events) if e.get("type") == "progress"), None)
+    if last is None:
+        return text
+    parts = [f"{last.get('done')}/{last.get('total')} requests x rounds"]
+    if last.get("concurrency") is not None:
+        parts.append(f"concurrency {last['concurrency']} round {last.get('round')}/{last.get('rounds')}")
+    if isinstance(last.get("acceptance_length"), (int, float)):
+        parts.append(f"acceptance length so far {last['acceptance_length']:.2f}")
+    if isinstance(last.get("speedup"), (int, float)):
+        parts.append(f"median speedup so far {last['speedup']:.2f}×")
+    return text + ": " + ", ".join(parts)
+
+
 def check_evaluate(ctx: CheckContext) -> list[CheckResult]:
-    from engine.evaluate.report import EXPORT_DIR, SLOWER, WEIGHTS, ReportError, file_sha256, fmt_num, read_report
+    from engine.evaluate import stats
+    from engine.evaluate.report import (
+        EXPORT_DIR,
+        WEIGHTS,
+        ReportError,
+        fix_line,
+        fmt_num,
+        read_report,
+        recommendation_lines,
+        stale_reasons,
+        verdict,
+        verdict_kind,
+    )
     from engine.jobs import JobManager
 
     ws = ctx.workspace
     active = JobManager(ws.jobs_dir).active("evaluate")
     if active:
-        return [failed("report", f"evaluation running (job {active[0].id})", "wait for it to finish")]
+        return [failed("report", _running(ws, active[0]), "wait for it to finish")]
     weights = ws.drafter_dir / EXPORT_DIR / WEIGHTS
     if not weights.is_file():
         return [failed("drafter", f"no drafter export at {weights.parent}",
@@ -29,37 +67,56 @@ def check_evaluate(ctx: CheckContext) -> list[CheckResult]:
         return [failed("report", str(exc), RUN_FIX)]
     results: list[CheckResult] = []
     measured = report.get("drafter") or {}
-    current = file_sha256(weights)
-    same_path = Path(str(measured.get("path", ""))).resolve() == weights.parent.resolve()
-    if measured.get("sha256") != current or not same_path:
-        results.append(failed("drafter", f"the report measured export {measured.get('path')} (sha256 "
-                                         f"{str(measured.get('sha256'))[:12]}…), the current export is "
-                                         f"{weights.parent} (sha256 {current[:12]}…): the report is stale",
-                              "re-run the evaluation for the current drafter: " + RUN_FIX))
-        return results
-    results.append(passed("drafter", f"report is for the current export {weights.parent} (sha256 {current[:12]}…)"))
+    stale = stale_reasons(report, weights.parent, ws.model_dir)
+    if stale:
+        return [warned("drafter", "stale: the report no longer describes what would be served: " + "; ".join(stale),
+                       "re-run the evaluation for the current drafter and target: " + RUN_FIX)]
+    target = (report.get("target") or {}).get("config_sha256")
+    results.append(passed("drafter", f"report is for the current export {weights.parent} (sha256 "
+                                     f"{str(measured.get('sha256'))[:12]}…)"
+                                     + (f" and target (config.json sha256 {target[:12]}…)" if target else "")))
     o = report["overall"]
     results.append(_correctness(report))
     rates = " ".join(f"{r * 100:.0f}%" for r in o.get("position_accept") or [])
     al = o.get("acceptance_length")
+    m = report.get("measurement") or {}
     if al is None:
         results.append(failed("acceptance", "no verify step was measured (every prompt stopped at once?)",
                               "raise evaluate.max_new_tokens, or check the held-out prompts"))
     else:
+        be = m.get("break_even")
         results.append(passed("acceptance", f"acceptance length {fmt_num(al)} over {o.get('prompts')} prompts "
                                             f"({o.get('completion_tokens')} tokens, {o.get('verify_steps')} "
-                                            f"verify steps)" + (f"; per draft position {rates}" if rates else "")))
-    speedup = o.get("speedup")
-    figures = f"{fmt_num(o.get('spec_tokens_per_s'), '.1f')} vs {fmt_num(o.get('base_tokens_per_s'), '.1f')} tok/s"
-    if speedup is None:
+                                            f"verify steps)" + (f"; per draft position {rates}" if rates else "")
+                                            + (f"; break-even {be:.2f} at the measured step costs" if be else "")))
+    kind = verdict_kind(report)
+    text = verdict(report)
+    if kind is None:
         results.append(failed("speedup", "speedup not measured", RUN_FIX))
-    elif speedup < 1.0:
-        results.append(failed("speedup", f"{speedup:.2f}× — {SLOWER} ({figures})",
+    elif kind == stats.SLOWER:
+        results.append(failed("speedup", text, fix_line(report) or
                               "a drafter this weak costs more than it saves: train longer or on more (regenerated) "
                               "data, check the aux layer ids, or lower evaluate.spec_steps"))
+    elif kind == stats.INCONCLUSIVE:
+        results.append(warned("speedup", text, fix_line(report) or "re-run on an idle machine"))
     else:
-        results.append(passed("speedup", f"{speedup:.2f}× faster than no speculation ({figures})"))
+        results.append(passed("speedup", text))
+    levels = report.get("levels") or []
+    if len(levels) > 1 or (report.get("recommendation") or {}).get("swept"):
+        per = "; ".join(f"{lv['concurrency']}: {_level_verdict(lv)}" for lv in levels)
+        rec = recommendation_lines(report)
+        results.append(passed("concurrency", f"per concurrency (configured steps): {per}"
+                              + (". " + " ".join(line.strip() for line in rec[1:]) if rec else "")))
     return results
+
+
+def _level_verdict(level: dict) -> str:
+    from engine.evaluate.report import best_setting, setting_of
+    from engine.evaluate.stats import fmt_interval
+
+    s = setting_of(level, level.get("configured")) or best_setting(level.get("settings") or []) or {}
+    sp = s.get("speedup") or {}
+    return f"{fmt_interval(sp)} {sp.get('verdict') or '—'}"
 
 
 def _correctness(report: dict) -> CheckResult:

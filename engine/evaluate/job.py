@@ -12,7 +12,16 @@ import json
 import time
 from pathlib import Path
 
-from engine.evaluate.report import EXPORT_DIR, build_report, export_identity, render_table, write_report
+from engine.evaluate.report import (
+    EXPORT_DIR,
+    build_report,
+    export_identity,
+    render_table,
+    target_identity,
+    verdict,
+    verdict_kind,
+    write_report,
+)
 
 
 class JobError(Exception):
@@ -54,19 +63,23 @@ class Evaluation:
 
         ev = self.cfg.evaluate
         identity = self._check_export()  # hashed before the run: a re-export during it is not credited
+        target_id = target_identity(self.ws.model_dir)
         tokenizer = load_tokenizer(self.ws.model_dir)
         prompts, skipped = load_prompts(self.ws, tokenizer, self.limit, ev.max_new_tokens)
         backend = self.cfg.model.backend
         self.event("started", backend=backend, prompts=len(prompts), skipped=skipped, export=identity["path"],
-                   sha256=identity["sha256"])
+                   sha256=identity["sha256"], rounds=ev.rounds, concurrency=list(ev.concurrency),
+                   sweep_steps=list(ev.sweep_steps))
         settings = {"spec_steps": ev.spec_steps, "spec_topk": ev.spec_topk, "spec_draft_tokens": ev.spec_draft_tokens,
                     "max_new_tokens": ev.max_new_tokens, "num_prompts": len(prompts), "skipped_prompts": skipped,
                     "eval_path": self.cfg.dataset.eval_path}
         started = time.monotonic()
+        levels = load = None
         if backend == "sglang":
             results, notes, target = self._run_sglang(prompts)
         else:
-            results, notes, target = self._run_local(prompts, tokenizer)
+            settings.update(rounds=ev.rounds, concurrency=list(ev.concurrency), sweep_steps=list(ev.sweep_steps))
+            results, notes, target, levels, load = self._run_local(prompts, tokenizer)
         if not results:
             self.event("stopped", done=0)
             return 0
@@ -74,13 +87,16 @@ class Evaluation:
             notes.append(f"stopped early: {len(results)} of {len(prompts)} prompts measured")
         if skipped:
             notes.append(f"{skipped} held-out sample(s) skipped (empty or too long)")
-        report = build_report(backend=backend, drafter=identity, target=target, settings=settings, prompts=results,
-                              notes=notes)
+        report = build_report(backend=backend, drafter=identity, target={**target_id, **target}, settings=settings,
+                              prompts=results, notes=notes, levels=levels, load=load)
         report["seconds"] = time.monotonic() - started
         path = write_report(self.ws.eval_dir, report)
         o = report["overall"]
-        self.event("finished", report=str(path), acceptance_length=o["acceptance_length"], speedup=o["speedup"],
-                   greedy_matches=o["greedy_matches"], prompts=o["prompts"], table=render_table(report))
+        m = report.get("measurement") or {}
+        self.event("finished", report=str(path), acceptance_length=o["acceptance_length"],
+                   speedup=(m.get("speedup") or {}).get("median"), interval=(m.get("speedup") or {}).get("interval"),
+                   verdict=verdict_kind(report), message=verdict(report), greedy_matches=o["greedy_matches"],
+                   prompts=o["prompts"], table=render_table(report))
         return 0
 
     def _progress(self, total: int):
@@ -100,7 +116,7 @@ class Evaluation:
         return report
 
     def _run_local(self, prompts, tokenizer):
-        from engine.evaluate.local_eval import evaluate_local, load_local, precision_note
+        from engine.evaluate.local_eval import load_local, measure_local, precision_note
 
         ev = self.cfg.evaluate
         setup = load_local(self.ws, self.export_dir, tokenizer)
@@ -110,14 +126,33 @@ class Evaluation:
                          "sglang backend")
         notes.append(f"local backend: {ev.spec_steps} draft tokens per verify step, KV caches on target and "
                      f"drafter, {setup.device} {setup.dtype}")
+        notes.append(f"{ev.rounds} round(s); per round and request the baseline and every speculative setting run "
+                     "back to back in an order that rotates, after an untimed warm-up; speedup = median over "
+                     "prompts x rounds of per-request (spec tok/s / base tok/s), 95% bootstrap interval (seed 0)")
+        notes.append("concurrency N on the local backend = N requests decoded together as one static batch "
+                     "(per-row lengths, finished requests leave the batch; no continuous refill): throughput and "
+                     "per-request latency; concurrency 1 uses the batch-1 decoders")
         self.event("loaded", device=setup.device, dtype=setup.dtype, hidden_state_indices=setup.aux_layers)
-        results = evaluate_local(setup, prompts, ev.max_new_tokens, ev.spec_steps, self._progress(len(prompts)),
-                                 self.should_stop)
+        started = time.monotonic()
+
+        def progress(p: dict) -> None:
+            done, total = p["done"], p["total"]
+            elapsed = time.monotonic() - started
+            eta = elapsed / done * (total - done) if done else None
+            self.event("progress", unit="requests x rounds", eta_s=_round(eta, 1), **p)
+
+        measured = measure_local(setup, prompts, ev.max_new_tokens, spec_steps=ev.spec_steps,
+                                 sweep_steps=list(ev.sweep_steps), rounds=ev.rounds, levels=list(ev.concurrency),
+                                 progress=progress, should_stop=self.should_stop)
+        results = measured["prompt_results"]
+        notes += measured["notes"]
+        if measured["stopped"]:
+            notes.append(f"stopped early: {measured['done']} of {measured['total']} requests x rounds measured")
         note = precision_note(setup.dtype, results)
         if note:
             notes.append(note)
-        target = {"path": str(self.ws.model_dir), "device": setup.device, "dtype": setup.dtype}
-        return results, notes, target
+        target = {"device": setup.device, "dtype": setup.dtype}
+        return results, notes, target, measured["levels"], measured["load"]
 
     def _run_sglang(self, prompts):
         import asyncio
@@ -129,7 +164,9 @@ class Evaluation:
         progress = self._progress(len(prompts))
         for i, result in enumerate(results):
             progress(i + 1, result)
-        return results, notes, {"path": str(self.ws.model_dir), "server": "sglang"}
+        notes.append("SGLang backend: one round at concurrency 1 (evaluate.rounds, concurrency and sweep_steps are "
+                     "measured on the local backend only so far)")
+        return results, notes, {"server": "sglang"}
 
 
 def _round(value, digits: int = 3):

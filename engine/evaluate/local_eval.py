@@ -166,3 +166,146 @@ def precision_note(dtype: str, results: list[PromptResult]) -> str | None:
     return (f"{len(differ)} of {len(results)} outputs differ from greedy: in {dtype} a verify step (several "
             "tokens in one forward) rounds differently from one-token decoding, so near-tie tokens can flip "
             "and the texts part from there. In float32 (model.dtype) the outputs match token for token")
+
+
+# ----------------------------------------------------------------------------- measurement with its noise
+
+
+@dataclass
+class Run:
+    """One request decoded one way: its tokens, latency and (speculative) verify counts."""
+
+    tokens: list[int]
+    seconds: float
+    verify_steps: int = 0
+    accepted: list[int] | None = None
+
+
+def _single(setup: LocalSetup, prompts, max_new_tokens: int, steps: int | None) -> list[Run]:
+    from engine.evaluate.specdec import greedy_decode, speculative_decode
+
+    (prompt,) = prompts
+    if steps is None:
+        r = greedy_decode(setup.target, prompt, max_new_tokens, setup.stop_ids)
+        return [Run(r.tokens, r.seconds)]
+    r = speculative_decode(setup.target, setup.drafter, prompt, max_new_tokens, steps, setup.aux_layers,
+                           setup.stop_ids)
+    return [Run(r.tokens, r.seconds, r.verify_steps, list(r.accepted))]
+
+
+def _wave(setup: LocalSetup, prompts, max_new_tokens: int, steps: int | None) -> list[Run]:
+    """All `prompts` in flight together (one static batch); batch 1 uses the batch-1 decoders."""
+    from engine.evaluate.batched import batched_greedy, batched_speculative
+
+    if len(prompts) == 1:
+        return _single(setup, prompts, max_new_tokens, steps)
+    if steps is None:
+        return [Run(r.tokens, r.seconds) for r in batched_greedy(setup.target, prompts, max_new_tokens,
+                                                                   setup.stop_ids)]
+    return [Run(r.tokens, r.seconds, r.verify_steps, list(r.accepted)) for r in batched_speculative(
+        setup.target, setup.drafter, prompts, max_new_tokens, steps, setup.aux_layers, setup.stop_ids)]
+
+
+def plan_levels(levels: list[int], num_prompts: int) -> tuple[list[int], list[str]]:
+    """The concurrency levels that can be measured with `num_prompts` prompts, and notes on the rest."""
+    bad = [x for x in levels if not isinstance(x, int) or not 1 <= x <= 1024]
+    if bad:
+        raise EvalError(f"evaluate.concurrency {levels} holds {bad}: each level is a number of requests in flight "
+                        "from 1 to 1024, e.g. concurrency = [1, 4, 16]")
+    wanted = sorted(set(levels)) or [1]
+    kept = [x for x in wanted if x <= num_prompts]
+    notes = []
+    skipped = [x for x in wanted if x > num_prompts]
+    if skipped:
+        notes.append(f"concurrency {', '.join(map(str, skipped))} skipped: {num_prompts} prompts cannot keep that "
+                     "many requests in flight (raise evaluate.num_prompts)")
+    if not kept:
+        kept = [num_prompts]
+        notes.append(f"measured at concurrency {num_prompts} instead")
+    return kept, notes
+
+
+def measure_local(setup: LocalSetup, prompts: list[EvalPrompt], max_new_tokens: int, *, spec_steps: int,
+                  sweep_steps: list[int], rounds: int, levels: list[int],
+                  progress: Callable[[dict], None] | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> dict:
+    """Warm-up, then per level, round and wave: the baseline and every speculative setting, in an
+    order that rotates per round and wave (so drift and load bursts fall on both sides alike).
+
+    Returns {"levels": [engine.evaluate.report.level_summary(...)], "prompt_results": per prompt of
+    the first level at spec_steps (summed over rounds), "load": {...}, "notes": [...], "done": n}."""
+    import os
+
+    from engine.evaluate.report import Tally, level_summary
+
+    settings = sorted({int(spec_steps), *(int(s) for s in sweep_steps)})
+    bad = [s for s in settings if not 1 <= s <= 64]
+    if bad:
+        raise EvalError(f"evaluate.sweep_steps {sweep_steps} holds {bad}: speculative steps run from 1 to 64")
+    levels, notes = plan_levels(levels, len(prompts))
+    ids = [p.input_ids for p in prompts]
+    cpus = os.cpu_count() or 1
+    load = {"before": os.getloadavg()[0], "cpus": cpus}
+    peak = load["before"]
+    # Warm-up (untimed): allocations, kernel selection and the first-call paths of every runner.
+    for n in levels:
+        wave = ids[:n]
+        _wave(setup, wave, min(8, max_new_tokens), None)
+        for steps in settings:
+            _wave(setup, wave, min(8, max_new_tokens), steps)
+    total = sum((len(ids) // n) * n for n in levels) * rounds
+    done = 0
+    out_levels = []
+    per_prompt: dict[int, list] = {}
+    stopped = False
+    for n in levels:
+        waves = [list(range(w * n, (w + 1) * n)) for w in range(len(ids) // n)]
+        tallies = {s: Tally() for s in settings}
+        for r in range(rounds):
+            for w, members in enumerate(waves):
+                if should_stop is not None and should_stop():
+                    stopped = True
+                    break
+                order: list[int | None] = [None] + settings
+                shift = (r + w) % len(order)
+                order = order[shift:] + order[:shift]
+                runs = {}
+                for steps in order:
+                    runs[steps] = _wave(setup, [ids[i] for i in members], max_new_tokens, steps)
+                base = runs[None]
+                for steps in settings:
+                    for i, b, s in zip(members, base, runs[steps]):
+                        tallies[steps].add(b.tokens, b.seconds, s.tokens, s.seconds, s.verify_steps, s.accepted or [])
+                        if n == levels[0] and steps == spec_steps:
+                            per_prompt.setdefault(i, []).append((b, s))
+                for steps in settings:
+                    tallies[steps].wave_walls.append((max(x.seconds for x in base),
+                                                      max(x.seconds for x in runs[steps])))
+                done += len(members)
+                peak = max(peak, os.getloadavg()[0])
+                if progress is not None:
+                    t = tallies[spec_steps]
+                    progress({"done": done, "total": total, "concurrency": n, "round": r + 1, "rounds": rounds,
+                              "acceptance_length": t.acceptance_length(), "speedup": t.running_median()})
+            if stopped:
+                break
+        if any(t.samples for t in tallies.values()):
+            out_levels.append(level_summary(n, spec_steps, {s: t for s, t in tallies.items()}, len(waves), rounds))
+        if stopped:
+            break
+    load.update(after=os.getloadavg()[0], max=max(peak, os.getloadavg()[0]))
+    results = []
+    for i in sorted(per_prompt):
+        pairs = per_prompt[i]
+        base_tokens, spec_tokens = pairs[0][0].tokens, pairs[0][1].tokens
+        mismatch = first_mismatch(spec_tokens, base_tokens)
+        width = max(len(s.accepted or []) for _, s in pairs)
+        results.append(PromptResult(
+            id=prompts[i].id, prompt_tokens=len(ids[i]), completion_tokens=sum(len(s.tokens) for _, s in pairs),
+            verify_steps=sum(s.verify_steps for _, s in pairs),
+            accepted=[sum((s.accepted or [0] * width)[k] for _, s in pairs) for k in range(width)],
+            spec_seconds=sum(s.seconds for _, s in pairs), base_seconds=sum(b.seconds for b, _ in pairs),
+            base_completion_tokens=sum(len(b.tokens) for b, _ in pairs),
+            matches_greedy=all(s.tokens == b.tokens for b, s in pairs), first_mismatch=mismatch))
+    return {"levels": out_levels, "prompt_results": results, "load": load, "notes": notes, "done": done,
+            "total": total, "stopped": stopped}
