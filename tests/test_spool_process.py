@@ -205,10 +205,10 @@ def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model
 def test_writer_mode_from_the_environment(monkeypatch, capsys):
     from engine.localserver.model_runner import capture_writer_mode
 
-    for raw, expected in (("", "threads"), ("threads", "threads"), (" Process ", "process")):
+    for raw, expected in (("", "process"), ("threads", "threads"), (" Process ", "process"), (" THREADS", "threads")):
         monkeypatch.setenv("EAGLE3_CAPTURE_WRITER", raw)
         assert capture_writer_mode() == expected
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("EAGLE3_CAPTURE_WRITER", "bogus")
-    assert capture_writer_mode() == "threads"
-    assert "EAGLE3_CAPTURE_WRITER='bogus' is not one of threads, process: using threads" in capsys.readouterr().err
+    assert capture_writer_mode() == "process"
+    assert "EAGLE3_CAPTURE_WRITER='bogus' is not one of threads, process: using process" in capsys.readouterr().err

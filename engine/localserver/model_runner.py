@@ -173,18 +173,18 @@ CAPTURE_WRITER_MODES = ("threads", "process")
 
 
 def capture_writer_mode() -> str:
-    """EAGLE3_CAPTURE_WRITER: "threads" (default) writes segments in the server process;
-    "process" hands whole batches to a child process through shared memory
-    (engine/capture/spool_process.py), so the writes' GIL hand-offs leave the process that
-    launches the kernels. Opt-in until measured on a GPU (bench/RESULTS.md)."""
+    """EAGLE3_CAPTURE_WRITER: "process" (default) hands whole batches to a child process through
+    shared memory (engine/capture/spool_process.py), so the writes' GIL hand-offs leave the process
+    that launches the kernels; it measured best in every pairing on the H200 and the dev box
+    (bench/RESULTS.md). "threads" writes segments in the server process."""
     raw = os.environ.get("EAGLE3_CAPTURE_WRITER", "").strip().lower()
-    if raw in ("", "threads"):
-        return "threads"
-    if raw == "process":
+    if raw in ("", "process"):
         return "process"
-    print(f"EAGLE3_CAPTURE_WRITER={raw!r} is not one of {', '.join(CAPTURE_WRITER_MODES)}: using threads",
+    if raw == "threads":
+        return "threads"
+    print(f"EAGLE3_CAPTURE_WRITER={raw!r} is not one of {', '.join(CAPTURE_WRITER_MODES)}: using process",
           file=sys.stderr)
-    return "threads"
+    return "process"
 
 
 # Tokens one shared-memory slot holds when no prefill graphs set the size (CPU, graphs off); with
