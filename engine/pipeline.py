@@ -29,7 +29,6 @@ class Stage:
     title: str
     description: str
     checks: CheckFn | None  # None: not yet available in this build
-    has_job: bool = False
 
 
 def _stages() -> list[Stage]:
@@ -46,18 +45,13 @@ def _stages() -> list[Stage]:
     return [
         Stage("gpus", "GPUs & NCCL", "NVML, GPUs visible, compute capability, free memory, NCCL preset", check_gpus),
         Stage("model", "Target model", "config.json, shapes, capture layers, tokenizer + chat template", check_model),
-        Stage("dataset", "Dataset", "parse, token lengths, truncation, assistant tokens", check_dataset,
-              has_job=True),
-        Stage("server", "Server", "process up, health, capture-safe flags, decode tok/s", check_server,
-              has_job=True),
+        Stage("dataset", "Dataset", "parse, token lengths, truncation, assistant tokens", check_dataset),
+        Stage("server", "Server", "process up, health, capture-safe flags, decode tok/s", check_server),
         Stage("capture", "Capture probe", "tokens sent = captured, 0 cached, shapes, finite, argmax", check_capture),
         Stage("disk", "Disk", "output dirs writable, bytes needed fit under free minus reserve", check_disk),
-        Stage("extract", "Extraction", "manifest covers every sample and verifies", check_extract,
-              has_job=True),
-        Stage("train", "Training", "export loads with SGLang's expected weights", check_train,
-              has_job=True),
-        Stage("evaluate", "Evaluation", "acceptance length and speedup measured", check_evaluate,
-              has_job=True),
+        Stage("extract", "Extraction", "manifest covers every sample and verifies", check_extract),
+        Stage("train", "Training", "export signed, finite, in the layout SGLang's EAGLE-3 loader reads", check_train),
+        Stage("evaluate", "Evaluation", "acceptance length and speedup measured", check_evaluate),
     ]
 
 

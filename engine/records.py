@@ -25,7 +25,7 @@ import os
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from engine import atomic
 from engine.names import check_name
@@ -98,13 +98,6 @@ def record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state) -> dict
 
 
 RECORD_METADATA = {"format": "eagle3-console", "version": str(FORMAT_VERSION)}
-
-
-def encode_record(input_ids, loss_mask, aux_hidden_state, hidden_state) -> bytes:
-    """The safetensors bytes of a record (tests and tools; the job writes files directly)."""
-    from safetensors.torch import save
-
-    return save(record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state), metadata=RECORD_METADATA)
 
 
 def write_record(run_dir: Path, index: int, sample_id: str, input_ids, loss_mask, aux_hidden_state,
@@ -240,11 +233,6 @@ def read_run_meta(run_dir: Path) -> dict[str, Any]:
         raise RecordError(f"{path} missing: {run_dir} is not an extraction run") from None
     except ValueError as exc:
         raise RecordError(f"{path} is damaged ({exc})") from None
-
-
-def iter_entries(run_dir: Path) -> Iterator[RecordEntry]:
-    entries, _ = read_manifest(run_dir)
-    yield from sorted(entries.values(), key=lambda e: e.index)
 
 
 def save_token_counts(run_dir: Path, counts) -> None:

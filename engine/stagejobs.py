@@ -52,7 +52,3 @@ def red_prerequisites(stage: str, reports) -> list:
     by_name = {r.stage: r for r in reports}
     return [by_name[name] for name in PREREQUISITES.get(stage, ())
             if name in by_name and by_name[name].state.value == "failed"]
-
-
-def job_kind(stage: str) -> str | None:
-    return stage if stage in STARTERS else None
