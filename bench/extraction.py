@@ -11,6 +11,7 @@ to what the disk can take.
     python bench/extraction.py --workspace DIR       # an existing workspace (a fresh bench-* run in it)
     python bench/extraction.py --size 1b             # GPU: ~1B random Llama in bf16, synthetic data
     python bench/extraction.py --size tiny           # the same synthetic path on CPU (smoke test)
+    python bench/extraction.py --size 1b --steps     # and where the job's time goes, step by step
 """
 
 from __future__ import annotations
@@ -180,6 +181,8 @@ def run(args) -> int:  # noqa: C901 - a linear script
     if args.size == "1b" and not gpu:
         print("extraction bench: --size 1b needs a GPU; use --size tiny for the same path on CPU", file=sys.stderr)
         return 2
+    if args.out_dir:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)  # the disk under test: create the folder asked for
     temp = Path(tempfile.mkdtemp(prefix="extbench-", dir=args.out_dir))
     own_run: Path | None = None  # a bench run inside a user's workspace: removed at the end
     spool: Path | None = None
@@ -205,6 +208,10 @@ def run(args) -> int:  # noqa: C901 - a linear script
         ctx = EventLog(temp / "job")
         ctx.job_dir.mkdir()
         limit_torch_threads(ws.config.extract.concurrency)  # as the job process does
+        if args.steps:
+            import step_timer
+
+            step_timer.install()
         wall = time.perf_counter()
         code = asyncio.run(Extractor(ws, ctx).run())
         wall = time.perf_counter() - wall
@@ -240,6 +247,8 @@ def run(args) -> int:  # noqa: C901 - a linear script
                    "avg_record_bytes": total // samples, "atomic_files_mb_s": round(atomic_mb_s, 1),
                    "plain_sequential_mb_s": round(plain_mb_s, 1), "ratio_extraction_plain": round(ext_mb_s / plain_mb_s, 4),
                    "ratio_atomic_plain": round(atomic_mb_s / plain_mb_s, 4)}
+        if args.steps:
+            summary["steps"] = step_timer.report(samples, seconds)
         print(json.dumps(summary, indent=2))
         print(f"extraction write ratio (extraction/plain): {ext_mb_s / plain_mb_s:.4f}  [{ext_mb_s:,.1f} vs "
               f"{plain_mb_s:,.1f} MB/s; atomic small files {atomic_mb_s:,.1f} MB/s; {tokens / seconds:,.0f} tok/s, {device}]")
@@ -263,6 +272,8 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--concurrency", type=int, default=None, help="extract.concurrency (requests in flight)")
     parser.add_argument("--out-dir", default=None, help="where the temp workspace (the disk under test) goes")
+    parser.add_argument("--steps", action="store_true",
+                        help="time each step of the job's per-record path (bench/step_timer.py)")
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="parent of the capture spool (tiny/1b)")
     args = parser.parse_args()
