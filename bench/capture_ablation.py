@@ -25,7 +25,7 @@ MODES = ("skip-write", "skip-copy")
 
 def install(mode: str) -> None:
     from engine.capture import segments
-    from engine.localserver.model_runner import ModelRunner
+    from engine.localserver.capture_sink import CaptureSink
 
     if mode == "skip-write":
         def no_write(spool_dir, rid, start, *_args, **_kwargs):
@@ -38,8 +38,8 @@ def install(mode: str) -> None:
                 completions[row].capture_queued = True
                 completions[row].finish_capture()
 
-        ModelRunner._queue_captures = answered_at_once
-        ModelRunner._queue_batch_captures = answered_at_once
+        CaptureSink.queue_rows = answered_at_once
+        CaptureSink.queue_batch = answered_at_once
     else:
         raise SystemExit(f"unknown mode {mode!r}: give one of {', '.join(MODES)}")
 

@@ -239,7 +239,7 @@ def spool_write_ceiling(spool: Path, hidden: int, tokens: int, dtype: str, secon
 
     from engine.capture.segments import release, write_segment
 
-    from engine.localserver.model_runner import capture_writer_count
+    from engine.localserver.settings import capture_writer_count
 
     threads = capture_writer_count()  # = the server's writer pool
     torch_dtype = getattr(torch, dtype)
@@ -295,7 +295,7 @@ def main() -> int:  # noqa: C901 - a linear script
     args = parser.parse_args()
     if args.ablate and (args.profile_server or args.probe_server):
         parser.error("--ablate wraps the server itself: run it without --profile-server/--probe-server")
-    from engine.localserver.model_runner import capture_writer_mode
+    from engine.localserver.settings import capture_writer_mode
 
     if args.ablate == "skip-write" and (args.writer or capture_writer_mode()) == "process":
         parser.error("--ablate skip-write patches the server's writer threads; the writer process would still "

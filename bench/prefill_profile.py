@@ -31,12 +31,12 @@ def run_variant(runner, torch, batch: int, length: int, use_cache: bool, mask_ki
         if on_gpu:
             torch.cuda.synchronize()
 
-    ids = torch.randint(3, runner.vocab_size, (batch, length), device=device)
+    ids = torch.randint(3, runner.info.vocab_size, (batch, length), device=device)
     mask = torch.ones((batch, length), dtype=torch.long, device=device)
     if mask_kind == "padded":
         mask[1:, length - length // 4:] = 0  # mixed lengths, as extraction sends them
     positions = torch.arange(length, device=device).unsqueeze(0).expand(batch, -1)
-    keep = torch.tensor([length - 1], device=device) if runner._has_logits_to_keep else None
+    keep = torch.tensor([length - 1], device=device) if runner.info.has_logits_to_keep else None
 
     def forward():
         kwargs = {"input_ids": ids, "attention_mask": None if mask_kind == "none" else mask,

@@ -2,11 +2,11 @@
 
     python bench/runner_probe.py OUT -- -m engine.localserver --port ...
 
-Wraps `ModelRunner._forward` and `_queue_captures` before the server starts. For every prefill
+Wraps `ModelRunner._forward` and `CaptureSink.queue_rows` before the server starts. For every prefill
 forward it records, split by whether the batch was captured: host milliseconds (how long the
 model thread's Python took to launch it), GPU milliseconds (CUDA events around it on the compute
 stream, read later so nothing waits for them), the caching allocator's device allocations,
-frees and retries during the call, and the pinned host allocator's allocations. `_queue_captures`
+frees and retries during the call, and the pinned host allocator's allocations. `queue_rows`
 gets host ms and the same allocator counts. OUT (JSON) is rewritten every two seconds.
 
 Tells apart: the GPU doing more work under capture (GPU ms up), the host blocking in the launch
@@ -89,14 +89,14 @@ class Probe:
 def install(probe: Probe) -> None:
     import torch
 
-    from engine.localserver import model_runner
+    from engine.localserver.capture_sink import CaptureSink
+    from engine.localserver.model_runner import ModelRunner
 
-    runner_cls = model_runner.ModelRunner
-    forward, queue_captures = runner_cls._forward, runner_cls._queue_captures
+    forward, queue_rows = ModelRunner._forward, CaptureSink.queue_rows
 
     def timed(kind_of, call):
         def wrapper(self, *args, **kwargs):
-            if self.device == "cpu" or not torch.cuda.is_available():
+            if getattr(self, "device", None) == "cpu" or not torch.cuda.is_available():
                 return call(self, *args, **kwargs)
             kind = kind_of(self, *args)
             before, host_before = _device_counts(torch), _host_allocs(torch)
@@ -119,10 +119,10 @@ def install(probe: Probe) -> None:
     def forward_kind(self, input_ids, *rest):
         if input_ids.shape[1] == 1:
             return "decode_step"
-        return "prefill_captured" if self._hooks_active else "prefill_plain"
+        return "prefill_captured" if self.hooks.active else "prefill_plain"
 
-    runner_cls._forward = timed(forward_kind, forward)
-    runner_cls._queue_captures = timed(lambda self, *a: "queue_captures", queue_captures)
+    ModelRunner._forward = timed(forward_kind, forward)
+    CaptureSink.queue_rows = timed(lambda self, *a: "queue_captures", queue_rows)
 
 
 def main() -> None:

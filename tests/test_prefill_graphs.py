@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.localserver.model_runner import CaptureConfig, ModelRunner
+from engine.localserver.capture_sink import CaptureConfig
+from engine.localserver.model_runner import ModelRunner
 from engine.localserver.prefill_graphs import (
     DEFAULT_MAX_TOKENS,
     PrefillGraphs,
@@ -59,26 +60,26 @@ def test_graph_forward_captures_what_the_eager_server_forward_captures(tiny_mode
     assert runner.prefill_graphs is None  # graphs are for CUDA only
     lengths = [11, 4, 7]
     rows, width = len(lengths), max(lengths)
-    ids = torch.full((rows, width), runner.pad_token_id, dtype=torch.long)
+    ids = torch.full((rows, width), runner.info.pad_token_id, dtype=torch.long)
     mask = torch.zeros((rows, width), dtype=torch.long)
     generator = torch.Generator().manual_seed(0)
     for row, n in enumerate(lengths):
-        ids[row, :n] = torch.randint(3, runner.vocab_size, (n,), generator=generator)
+        ids[row, :n] = torch.randint(3, runner.info.vocab_size, (n,), generator=generator)
         mask[row, :n] = 1
     with torch.inference_mode():
-        store = runner._set_hooks(True)
+        store = runner.hooks.set(True)
         runner._forward(ids, mask, torch.arange(width).expand(rows, -1), None)
         eager = dict(store)
-        graphs = PrefillGraphs(runner.model.get_decoder(), "cpu", 4, runner.pad_token_id, runner._set_hooks,
+        graphs = PrefillGraphs(runner.model.get_decoder(), "cpu", 4, runner.info.pad_token_id, runner.hooks.set,
                                max_tokens=8192)
         shape = bucket_for(rows, width, 4, 8192)
         assert shape == (4, 128)
-        padded = torch.full(shape, runner.pad_token_id, dtype=torch.long)
+        padded = torch.full(shape, runner.info.pad_token_id, dtype=torch.long)
         padded[:rows, :width] = ids
-        store = runner._set_hooks(True)
+        store = runner.hooks.set(True)
         graphs.forward_static(padded, torch.tensor(lengths + [1]))
         static = dict(store)
-        runner._set_hooks(False)
+        runner.hooks.set(False)
     assert set(static) == set(eager) == {"layer0", "layer1", "layer2", "final"}
     for key in eager:
         for row, n in enumerate(lengths):
@@ -101,21 +102,21 @@ def test_batch_captures_hand_each_row_its_own_real_positions(tiny_model_dir: Pat
     runner.load()
     lengths = [11, 4, 7]
     generator = torch.Generator().manual_seed(1)
-    padded = torch.full((4, 128), runner.pad_token_id, dtype=torch.long)
+    padded = torch.full((4, 128), runner.info.pad_token_id, dtype=torch.long)
     for row, n in enumerate(lengths):
-        padded[row, :n] = torch.randint(3, runner.vocab_size, (n,), generator=generator)
+        padded[row, :n] = torch.randint(3, runner.info.vocab_size, (n,), generator=generator)
     host_ids = padded[:3, :max(lengths)].clone()
     with torch.inference_mode():
-        graphs = PrefillGraphs(runner.model.get_decoder(), "cpu", 4, runner.pad_token_id, runner._set_hooks,
+        graphs = PrefillGraphs(runner.model.get_decoder(), "cpu", 4, runner.info.pad_token_id, runner.hooks.set,
                                max_tokens=8192)
-        store = runner._set_hooks(True)
+        store = runner.hooks.set(True)
         graphs.forward_static(padded, torch.tensor(lengths + [1]))
         states = dict(store)
-        runner._set_hooks(False)
+        runner.hooks.set(False)
         completions = [SimpleNamespace(capture_queued=False, rid=f"row-{row}") for row in range(3)]
-        runner._queue_batch_captures(completions, captured, lengths, host_ids, states)
-    queued = [runner._write_queue.get_nowait() for _ in captured]
-    assert runner._write_queue.empty()
+        runner.sink.queue_batch(completions, captured, lengths, host_ids, states)
+    queued = [runner.sink._write_queue.get_nowait() for _ in captured]
+    assert runner.sink._write_queue.empty()
     assert [item[0].rid for item in queued] == [f"row-{row}" for row in captured]
     assert all(completions[row].capture_queued for row in captured)
     for (completion, ids, aux, final, copied), row in zip(queued, captured):
@@ -147,18 +148,18 @@ def test_cuda_graph_replay_equals_eager_for_new_inputs(tiny_model_dir: Path, tmp
     generator = torch.Generator().manual_seed(1)
     for lengths in ([9, 30, 17], [30, 2, 25], [5, 5, 5]):  # all in the 4 x 128 bucket
         rows, width = len(lengths), max(lengths)
-        ids = torch.full((rows, width), runner.pad_token_id, dtype=torch.long)
+        ids = torch.full((rows, width), runner.info.pad_token_id, dtype=torch.long)
         for row, n in enumerate(lengths):
-            ids[row, :n] = torch.randint(3, runner.vocab_size, (n,), generator=generator)
+            ids[row, :n] = torch.randint(3, runner.info.vocab_size, (n,), generator=generator)
         with torch.inference_mode():
             states = {key: value.clone() for key, value in graphs.run(ids, lengths).items()}
             for row, n in enumerate(lengths):
-                store = runner._set_hooks(True)
+                store = runner.hooks.set(True)
                 runner._forward(ids[row:row + 1, :n].cuda(), torch.ones((1, n), dtype=torch.long, device="cuda"),
                                 torch.arange(n, device="cuda").unsqueeze(0), None)
                 for key, value in store.items():
                     torch.testing.assert_close(states[key][row, :n], value[0], atol=1e-4, rtol=1e-4)
-                runner._set_hooks(False)
+                runner.hooks.set(False)
     assert graphs.describe()["buckets"] == ["4x128"] and graphs.failure is None
 
 

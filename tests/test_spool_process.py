@@ -203,7 +203,7 @@ def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model
 
 
 def test_writer_mode_from_the_environment(monkeypatch, capsys):
-    from engine.localserver.model_runner import capture_writer_mode
+    from engine.localserver.settings import capture_writer_mode
 
     for raw, expected in (("", "process"), ("threads", "threads"), (" Process ", "process"), (" THREADS", "threads")):
         monkeypatch.setenv("EAGLE3_CAPTURE_WRITER", raw)

@@ -110,7 +110,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def _load(args: argparse.Namespace):
     """Everything that can fail on user input, in order of cost; StartupError on failure."""
-    from engine.localserver.model_runner import CaptureConfig, ModelLoadError, ModelRunner, check_model_dir
+    from engine.localserver.capture_sink import CaptureConfig
+    from engine.localserver.loading import ModelLoadError, check_model_dir
+    from engine.localserver.model_runner import ModelRunner
 
     model_path = Path(args.model_path).expanduser()
     try:
@@ -128,7 +130,7 @@ def _load(args: argparse.Namespace):
             runner.load()
         except ModelLoadError as exc:
             raise StartupError(f"model path {args.model_path}: {exc}") from None
-        layers = resolve_capture_layers(args, runner.num_layers)
+        layers = resolve_capture_layers(args, runner.info.num_layers)
         if layers is not None and spool is not None:
             try:
                 runner.enable_capture(CaptureConfig(layers=layers, spool_dir=spool))

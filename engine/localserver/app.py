@@ -34,14 +34,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import __version__
 from engine.capture.layers import to_sglang_numbering
-from engine.localserver.model_runner import (
-    HEALTH_CHECK_RID_PREFIX,
-    DoneEvent,
-    GenRequest,
-    ModelRunner,
-    SamplingParams,
-    TokenEvent,
-)
+from engine.localserver.model_runner import ModelRunner
+from engine.localserver.requests import HEALTH_CHECK_RID_PREFIX, DoneEvent, GenRequest, TokenEvent
+from engine.localserver.sampling import SamplingParams
 from engine.names import UnsafeNameError, check_name
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
@@ -170,8 +165,8 @@ def parse_generate(body: Any, runner: ModelRunner) -> tuple[list[ParsedItem], bo
             if not isinstance(prompt, list) or not prompt:
                 raise BadRequest("every prompt in input_ids must be a non-empty list of token ids")
             for token in prompt:
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < runner.vocab_size:
-                    raise BadRequest(f"token id {token!r} is not in the vocabulary (0..{runner.vocab_size - 1})")
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < runner.info.vocab_size:
+                    raise BadRequest(f"token id {token!r} is not in the vocabulary (0..{runner.info.vocab_size - 1})")
     else:
         texts = body["text"]
         is_batch = isinstance(texts, list)
@@ -216,10 +211,10 @@ def parse_generate(body: Any, runner: ModelRunner) -> tuple[list[ParsedItem], bo
             except UnsafeNameError as exc:
                 raise BadRequest(f"{exc} (capture is on, and the rid names the capture's spool folder)") from None
             capture = True
-        if runner.max_context and len(prompt) + params.max_new_tokens > runner.max_context:
+        if runner.info.max_context and len(prompt) + params.max_new_tokens > runner.info.max_context:
             raise BadRequest(
                 f"the input ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) is longer "
-                f"than the model's context length ({runner.max_context} tokens)"
+                f"than the model's context length ({runner.info.max_context} tokens)"
             )
         items.append(ParsedItem(rid, prompt, params, capture))
     if len({item.rid for item in items}) != len(items):
@@ -335,12 +330,12 @@ class LocalServerApp:
             "tokenizer_path": self.settings.model_path,
             "served_model_name": self.settings.model_path,
             "is_generation": True,
-            "model_type": runner.model_type,
-            "architectures": runner.architectures,
-            "num_layers": runner.num_layers,
-            "hidden_size": runner.hidden_size,
-            "vocab_size": runner.vocab_size,
-            "max_context_length": runner.max_context,
+            "model_type": runner.info.model_type,
+            "architectures": runner.info.architectures,
+            "num_layers": runner.info.num_layers,
+            "hidden_size": runner.info.hidden_size,
+            "vocab_size": runner.info.vocab_size,
+            "max_context_length": runner.info.max_context,
         })
 
     async def metrics(self, request: Request) -> Response:

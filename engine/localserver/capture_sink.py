@@ -1,0 +1,260 @@
+"""Where the captured states go after a prefill: device-to-host copies, then spool segments.
+
+*Writer* threads turn captures into spool segments (bounded queue, so a slow disk pushes back on
+the model thread instead of filling memory). With the process writer (the default), a *feeder*
+thread hands whole batches to a child process through shared memory instead
+(engine/capture/spool_process.py); if the child dies, the threads take over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import one_line
+from engine.localserver.requests import Completion
+from engine.localserver.settings import capture_writer_count, capture_writer_mode
+
+
+@dataclass
+class CaptureConfig:
+    layers: list[int]  # 0-indexed decoder-layer outputs
+    spool_dir: Path
+
+
+def pinned_copy(device_tensor: Any) -> Any:
+    """A non-blocking copy into a new pinned host buffer, on the current stream: the forward never
+    waits for the host; a writer waits on the batch's `copies_landed` event instead."""
+    import torch
+
+    host = torch.empty(device_tensor.shape, dtype=device_tensor.dtype, pin_memory=True)
+    host.copy_(device_tensor, non_blocking=True)
+    return host
+
+
+def copies_landed(stream: Any) -> Any:
+    """An event recorded after the copies queued on `stream`. Blocking: a writer sleeps until they
+    land instead of spinning a core (CUDA spin-waits by default), which the model thread needs."""
+    import torch
+
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    return event
+
+
+class CaptureSink:
+    def __init__(self, queue_size: int = 16) -> None:
+        self.config: CaptureConfig | None = None
+        self.writers = capture_writer_count()
+        self.mode = capture_writer_mode()
+        self.note = ""  # why the process writer is not in use, when it was asked for
+        self._write_queue: queue.Queue[tuple | None] = queue.Queue(maxsize=max(queue_size, 2 * self.writers))
+        self._batch_queue: queue.Queue[tuple | None] = queue.Queue(maxsize=2)
+        self._process: Any = None  # SpoolWriterProcess while it takes batches
+        self._copy_stream: Any = None  # CUDA stream for device-to-host copies of captured states
+
+    # ---- threads ----------------------------------------------------------------------
+
+    def start(self, state_bytes: int, slot_tokens: int) -> list[tuple[Callable[[], None], str]]:
+        """Start the writer process if it is wanted; returns the loops the caller runs as threads.
+        Several writers: safetensors writes outside the GIL, so segments of one batch are written in
+        parallel while the model runs the next one."""
+        loops = [(self._writer_loop, f"capture-writer-{i}") for i in range(self.writers)]
+        if self.config is not None and self.mode == "process" and self._start_process(state_bytes, slot_tokens):
+            loops.append((self._feeder_loop, "capture-feeder"))
+        return loops
+
+    def close(self) -> None:
+        """Ask the loops to finish what is queued and return."""
+        if self._process is not None:
+            self._batch_queue.put(None)
+        for _ in range(self.writers):
+            self._write_queue.put(None)
+
+    def describe(self) -> str:
+        """How captured segments are written, for /server_info."""
+        if (live := self._live_process()) is not None:
+            return f"process (pid {live.pid})"
+        writer = self._process
+        note = self.note or (writer.failure if writer is not None else "")
+        return f"threads ({self.writers})" + (f"; {note}" if note else "")
+
+    def _start_process(self, state_bytes: int, slot_tokens: int) -> bool:
+        """Start the writer process; False (and `note` says why) to stay with threads. `state_bytes`:
+        one token's hidden state; a slot holds `slot_tokens` tokens of every captured state."""
+        from engine.capture.spool_process import SpoolProcessError, SpoolWriterProcess
+
+        assert self.config is not None
+        per_token = (len(self.config.layers) + 1) * state_bytes + 8  # + the int64 id
+        writer = SpoolWriterProcess(self.config.spool_dir, self.config.layers,
+                                    slot_bytes=slot_tokens * per_token + 64, threads=self.writers,
+                                    on_failure=lambda reason: print(f"capture: {reason}; threads write the "
+                                                                    "segments from now on", file=sys.stderr))
+        try:
+            writer.start()
+        except SpoolProcessError as exc:
+            self.note = f"process writer unavailable, threads write the segments: {exc}"
+            print(f"capture: {self.note}", file=sys.stderr)
+            return False
+        self._process = writer
+        return True
+
+    def _live_process(self) -> Any:
+        """The writer process if it takes batches now, else None (threads write)."""
+        writer = self._process
+        return writer if writer is not None and writer.alive else None
+
+    def _writer_loop(self) -> None:
+        while True:
+            item = self._write_queue.get()
+            if item is None:
+                return
+            completion, ids, aux, final, copied = item
+            self._write_here(completion, ids, aux, final, copied)
+
+    def _write_here(self, completion: Completion, ids: Any, aux: Any, final: Any, copied: Any = None) -> None:
+        """Write one captured row's segment on this thread and answer its request."""
+        from engine.capture.segments import write_segment
+
+        assert self.config is not None
+        try:
+            # The asynchronous device-to-host copies have landed. Only the batch's first writer
+            # usually waits: `query` keeps the GIL, a `synchronize` hands it away and back.
+            if copied is not None and not copied.query():
+                copied.synchronize()
+            write_segment(self.config.spool_dir, completion.request.rid, 0, ids, aux, final, self.config.layers)
+        except Exception as exc:
+            completion.finish_capture(error=f"capture write failed: {one_line(exc)}")
+        else:
+            completion.finish_capture()
+
+    def _feeder_loop(self) -> None:
+        """Hands each captured batch to the writer process once its host copies have landed."""
+        from engine.capture.spool_process import SpoolProcessError
+
+        assert self._process is not None
+        writer = self._process
+        while True:
+            item = self._batch_queue.get()
+            if item is None:
+                writer.close()
+                return
+            batch, ids, aux, final, copied = item
+
+            def answer(errors: list[str | None], batch: list = batch) -> None:
+                for (completion, _), error in zip(batch, errors):
+                    completion.finish_capture(error=error)
+
+            try:
+                if copied is not None and not copied.query():
+                    copied.synchronize()
+                writer.submit([completion.request.rid for completion, _ in batch], [n for _, n in batch],
+                              ids, aux, final, answer)
+                continue
+            except SpoolProcessError:
+                pass  # the child is gone (on_failure said so): this thread writes the batch
+            except Exception as exc:  # the batch's forward or copies failed on the device
+                answer([f"capture write failed: {one_line(exc)}"] * len(batch))
+                continue
+            # Later batches go to the writer threads (`queue_batch` sees the child dead).
+            for i, (completion, n) in enumerate(batch):
+                self._write_here(completion, ids[i, :n], aux[i, :n], final[i, :n])
+
+    # ---- from the model thread --------------------------------------------------------
+
+    def _copy_stream_after(self, *device_tensors: Any) -> Any:
+        """The stream for the captured states' device-to-host copies, ordered after the compute
+        stream's work so far. The copies overlap the next batch's forward instead of queuing
+        behind it; `record_stream` keeps the allocator from handing `device_tensors`' blocks to
+        that forward before the copy stream has read them."""
+        import torch
+
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=device_tensors[0].device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        for tensor in device_tensors:
+            tensor.record_stream(self._copy_stream)
+        return self._copy_stream
+
+    def queue_batch(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
+        """The graph path's captures, and every batch's while the writer process runs: one pinned
+        buffer and one copy per batch for each of the aux and final states, handed to the writer
+        process whole or to the writer threads as per-row views.
+
+        Why per batch: a small target replays its prefill in one launch, so the per-row work of
+        `queue_rows` (each torch call a GIL hand-off the model thread waits to get back) becomes
+        most of its host time. Graph buckets have fixed shapes, so the host allocator's cached
+        blocks fit every batch again; eager batches (large targets) written by threads keep the
+        per-row copies."""
+        import torch
+
+        assert self.config is not None
+        width = max(lengths[row] for row in rows)
+        pick: Any
+        if rows == list(range(len(rows))):  # extraction: every real row is captured
+            pick = slice(0, len(rows))
+        else:
+            pick = torch.tensor(rows, device=states["final"].device)
+        # New tensors on the compute stream, not views: the next replay overwrites the graph's outputs
+        # while the copy stream still reads these.
+        aux_states = torch.cat([states[f"layer{layer}"][pick, :width] for layer in self.config.layers], dim=-1)
+        final_states = states["final"][pick, :width].contiguous()
+        if final_states.is_cuda:
+            with torch.cuda.stream(self._copy_stream_after(aux_states, final_states)):
+                aux, final = pinned_copy(aux_states), pinned_copy(final_states)
+                copied = copies_landed(self._copy_stream)
+        else:  # CPU (tests): the new tensors are the host buffers
+            aux, final, copied = aux_states, final_states, None
+        del aux_states, final_states
+        writer = self._live_process()
+        if writer is not None:
+            ids = host_ids[rows, :width]
+            if writer.fits(ids, aux, final):
+                for row in rows:
+                    completions[row].capture_queued = True
+                self._batch_queue.put(([(completions[row], lengths[row]) for row in rows], ids, aux, final, copied))
+                return
+        for i, row in enumerate(rows):
+            n = lengths[row]
+            completions[row].capture_queued = True
+            self._write_queue.put((completions[row], host_ids[row, :n], aux[i, :n], final[i, :n], copied))
+
+    def queue_rows(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
+        """Queue an eager batch's captured rows; `states` maps hook keys to [B, W, ...] tensors."""
+        import torch
+
+        assert self.config is not None
+        if self._live_process() is not None:
+            # The writer process takes whole batches: one host copy a batch, as on the graph path.
+            self.queue_batch(completions, rows, lengths, host_ids, states)
+            return
+        layer_states = [states[f"layer{layer}"] for layer in self.config.layers]
+        final_states = states["final"]
+        # One concatenation for the whole batch: a row's [:n] slice of [B, W, 3H] is contiguous, so
+        # each row is copied straight from it (per-row work is two buffers and two copies).
+        aux_states = torch.cat(layer_states, dim=-1)
+        on_gpu = final_states.is_cuda
+        items = []
+        with torch.cuda.stream(self._copy_stream_after(aux_states, final_states)) if on_gpu \
+                else contextlib.nullcontext():
+            for row in rows:
+                aux, final = aux_states[row, :lengths[row]], final_states[row, :lengths[row]]
+                if on_gpu:
+                    aux, final = pinned_copy(aux), pinned_copy(final)
+                # The ids come from the host batch: no device-to-host copy, no sync.
+                items.append([completions[row], host_ids[row, :lengths[row]], aux, final, None])
+        if on_gpu:
+            copied = copies_landed(self._copy_stream)
+            for item in items:
+                item[4] = copied
+        # Every copy is queued before the first put, which blocks while the disk lags: the
+        # device copies of the batch are freed as they land, not held behind a full queue.
+        del aux_states
+        for item in items:
+            item[0].capture_queued = True
+            self._write_queue.put(tuple(item))

@@ -1,0 +1,39 @@
+"""The local server's settings that come from the environment, read once per runner."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEFAULT_CAPTURE_WRITERS = 4
+CAPTURE_WRITER_MODES = ("threads", "process")
+
+# Tokens one shared-memory slot holds when no prefill graphs set the size (CPU, graphs off); with
+# graphs, their largest bucket. Larger (eager) batches are written by the in-process threads.
+SPOOL_SLOT_TOKENS = 8192
+
+
+def capture_writer_count() -> int:
+    """Writer threads: EAGLE3_CAPTURE_WRITERS if set (1..64), else 4.
+
+    Few: four outpace what a fast target captures, and every writer takes the GIL for a little Python
+    per segment, which the model thread launching kernels pays for (bench/RESULTS.md)."""
+    raw = os.environ.get("EAGLE3_CAPTURE_WRITERS", "").strip()
+    if raw.isdigit() and 1 <= int(raw) <= 64:
+        return int(raw)
+    return DEFAULT_CAPTURE_WRITERS
+
+
+def capture_writer_mode() -> str:
+    """EAGLE3_CAPTURE_WRITER: "process" (default) hands whole batches to a child process through
+    shared memory (engine/capture/spool_process.py), so the writes' GIL hand-offs leave the process
+    that launches the kernels (it measured best: bench/RESULTS.md). "threads" writes segments in
+    the server process."""
+    raw = os.environ.get("EAGLE3_CAPTURE_WRITER", "").strip().lower()
+    if raw in ("", "process"):
+        return "process"
+    if raw == "threads":
+        return "threads"
+    print(f"EAGLE3_CAPTURE_WRITER={raw!r} is not one of {', '.join(CAPTURE_WRITER_MODES)}: using process",
+          file=sys.stderr)
+    return "process"
