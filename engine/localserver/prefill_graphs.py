@@ -1,10 +1,9 @@
 """CUDA graphs for the local server's prefill-only batches (extraction, `max_new_tokens` 0).
 
-A small target's prefill is bound by kernel launches on the host, not by the GPU: an 80M Llama
-spends 12-21 ms launching ~600 kernels for 8 x 512 tokens while the GPU is busy 15-26 % of that
-time (bench/results/prefill_profile_h200_e2e.txt). Every bit of Python the capture adds in the
-server process then comes out of the same interpreter. Replaying a captured graph launches the
-whole forward at once.
+A small target's prefill is bound by kernel launches on the host, not by the GPU (measured in
+bench/RESULTS.md, capture overhead, session 6), and every bit of Python the capture adds in the
+server process comes out of the same interpreter. Replaying a captured graph launches the whole
+forward at once.
 
 How: batches are padded to a bucket (rows: next power of two up to `max_batch`; tokens: next
 multiple of 128) and run through the decoder alone (no LM head, no KV cache: a prefill-only
