@@ -116,11 +116,14 @@ class Evaluation:
         return report
 
     def _run_local(self, prompts, tokenizer):
-        from engine.evaluate.local_eval import load_local, measure_local, precision_note
+        from engine.evaluate.local_eval import choose_cpu_threads, load_local, measure_local, precision_note
 
         ev = self.cfg.evaluate
         setup = load_local(self.ws, self.export_dir, tokenizer)
         notes = list(setup.notes)
+        threads = choose_cpu_threads(setup.device)
+        if threads:
+            notes.append(threads)
         if ev.spec_topk != 1:
             notes.append(f"local backend drafts a chain (top-k 1); evaluate.spec_topk {ev.spec_topk} needs the "
                          "sglang backend")

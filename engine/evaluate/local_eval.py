@@ -206,6 +206,28 @@ def _wave(setup: LocalSetup, prompts, max_new_tokens: int, steps: int | None) ->
         setup.target, setup.drafter, prompts, max_new_tokens, steps, setup.aux_layers, setup.stop_ids)]
 
 
+def choose_cpu_threads(device: str) -> str | None:
+    """On a CPU, run torch on the cores that are idle now (at least 1), unless OMP_NUM_THREADS says
+    otherwise: with more threads than free cores, torch's threads spin-wait on each other and a step
+    takes 5-10x longer at random (on the 2-core dev box, two CPU hogs made the demo's evaluation take
+    141 s at 2 threads and 26 s at 1, with a far wider interval). Both sides run with the same count.
+    Returns a note for the report, or None (GPU, or left as set)."""
+    import os
+
+    import torch
+
+    if device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cpus = os.cpu_count() or 1
+    idle = int(cpus - os.getloadavg()[0])
+    before = torch.get_num_threads()
+    threads = max(1, min(before, idle))
+    if threads != before:
+        torch.set_num_threads(threads)
+    return (f"CPU threads: {threads} of {cpus} (the cores idle at the start by the load average; "
+            "OMP_NUM_THREADS overrides)")
+
+
 def plan_levels(levels: list[int], num_prompts: int) -> tuple[list[int], list[str]]:
     """The concurrency levels that can be measured with `num_prompts` prompts, and notes on the rest."""
     bad = [x for x in levels if not isinstance(x, int) or not 1 <= x <= 1024]
