@@ -139,11 +139,12 @@ class ModelRunner:
 
     def _forward(self, input_ids: Any, attention_mask: Any, position_ids: Any, cache: Any,
                  keep: Any = None) -> tuple[Any, Any]:
+        info = self.info
         kwargs: dict[str, Any] = {
             "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-            "use_cache": True, self.info.cache_kw: cache,
+            "use_cache": True, info.cache_kw: cache,
         }
-        if keep is not None and self.info.has_logits_to_keep:
+        if keep is not None and info.has_logits_to_keep:
             kwargs["logits_to_keep"] = keep
         out = self.model(**kwargs)
         new_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
@@ -202,7 +203,7 @@ class ModelRunner:
     def _decode(self, group, completions, lengths, mask, cache, last_logits) -> None:
         import torch
 
-        device = self.device
+        device, eos_token_ids, pad_token_id = self.device, self.info.eos_token_ids, self.info.pad_token_id
         generators = [make_generator(req.params.seed) for req in group]
         generated = [0] * len(group)
         active = list(range(len(group)))  # group rows still decoding, in cache-row order
@@ -230,7 +231,7 @@ class ModelRunner:
                 req = group[row]
                 req.emit(TokenEvent([token]))
                 params = req.params
-                if token in params.stop_token_ids or (not params.ignore_eos and token in self.info.eos_token_ids):
+                if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
                     completions[row].finish_generation(finish={"type": "stop", "matched": token})
                 elif generated[row] >= params.max_new_tokens:
                     completions[row].finish_generation(finish={"type": "length", "length": params.max_new_tokens})
@@ -243,7 +244,7 @@ class ModelRunner:
                 cache.batch_select_indices(keep_idx)
                 mask = mask[keep_idx]
                 logits_rows = list(still)
-            step_ids = torch.tensor([[next_tokens.get(r, self.info.pad_token_id)] for r in logits_rows],
+            step_ids = torch.tensor([[next_tokens.get(r, pad_token_id)] for r in logits_rows],
                                     dtype=torch.long, device=device)
             step_pos = torch.tensor([[lengths[r] + generated[r] - 1] for r in logits_rows],
                                     dtype=torch.long, device=device)
