@@ -116,6 +116,18 @@ def test_sweep_picks_the_best_setting_and_writes_its_sglang_flags():
     assert recommendation_lines(report)[-1].strip() == rec["text"]
 
 
+def test_concurrency_levels_are_checked_and_those_above_the_prompt_count_skipped():
+    pytest.importorskip("torch")
+    from engine.evaluate.local_eval import EvalError, plan_levels
+
+    assert plan_levels([16, 1, 4], 8) == ([1, 4], ["concurrency 16 skipped: 8 prompts cannot keep that many "
+                                                   "requests in flight (raise evaluate.num_prompts)"])
+    assert plan_levels([1, 4, 16], 40) == ([1, 4, 16], [])
+    assert plan_levels([8], 3)[0] == [3]
+    with pytest.raises(EvalError, match="evaluate.concurrency"):
+        plan_levels([1, 0], 8)
+
+
 # ----------------------------------------------------------------------------- staleness
 
 

@@ -119,7 +119,7 @@ class EvaluationPane(Pane):
     EvaluationPane #evaluation-fix { height: auto; color: $warning; }
     EvaluationPane #evaluation-levels { height: auto; margin: 1 0 0 0; }
     EvaluationPane #evaluation-recommendation { height: auto; color: $accent; }
-    EvaluationPane #evaluation-notes { height: auto; color: $text-muted; }
+    EvaluationPane #evaluation-notes { height: auto; color: $text-muted; width: 100%; }
     """
 
     def __init__(self, report: dict[str, Any] | None = None, *, eval_dir: Path | str | None = None,
@@ -259,7 +259,9 @@ class EvaluationPane(Pane):
         fix_text = fix_line(report)
         fix.display = bool(fix_text)
         fix.update("fix: " + fix_text if fix_text else "")
-        rows = level_lines(report) if width >= len((level_lines(report) or [""])[0]) else compact_level_lines(report)
+        rows = level_lines(report)
+        if rows and width < max(len(line) for line in rows):
+            rows = compact_level_lines(report)
         levels.display = bool(rows)
         levels.update("\n".join(rows))
         rec_lines = recommendation_lines(report)
