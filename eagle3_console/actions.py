@@ -18,32 +18,40 @@ from textual.binding import Binding
 from textual.screen import ModalScreen, Screen
 
 from eagle3_console.confirm import ConfirmScreen
+from eagle3_console.keys import KEYS
 from eagle3_console.messages import ServerActionFailed
 from eagle3_console.panes import ExtractionPane, ServerPane, TrainingPane
 
-# action name -> the pane whose key it is
-ACTION_PANES = {
-    "start_server": "server", "stop_server": "server",
-    "start_extraction": "extraction", "toggle_pause": "extraction", "stop_extraction": "extraction",
-    "start_training": "training", "stop_training": "training", "next_curve": "training",
-    "start_stage_job": "pipeline", "reload_evaluation": "evaluation",
-}
 # stage -> the pane that shows its job
 JOB_PANES = {"server": "server", "extract": "extraction", "train": "training", "evaluate": "evaluation"}
+# pane -> the stage whose job `s` / `S` start and stop there
+PANE_STAGES = {"server": "server", "extraction": "extract", "training": "train", "evaluation": "evaluate"}
+LONG_JOBS = ("extract", "train", "evaluate")  # their start asks first, with duration and disk need
+# Actions by name (without parameters) -> their row in the key table.
+ACTION_KEYS = {k.action.split("(")[0]: k for k in KEYS if not k.action.startswith("show_tab")}
 
-PANE_BINDINGS = [
-    Binding("s", "start_server", "Start", tooltip="Start the server (capture on)", id="server-start"),
-    Binding("S", "stop_server", "Stop", tooltip="Stop the server (asks first)", id="server-stop"),
-    Binding("x", "start_extraction", "Extract", tooltip="Start or resume hidden-state extraction", id="extract-start"),
-    Binding("p", "toggle_pause", "Pause", tooltip="Pause or resume extraction", id="extract-pause"),
-    Binding("X", "stop_extraction", "Stop", tooltip="Stop extraction (asks first)", id="extract-stop"),
-    Binding("T", "start_training", "Train", tooltip="Start training, or resume from its checkpoint", id="train-start"),
-    Binding("K", "stop_training", "Stop", tooltip="Stop training; it checkpoints first (asks)", id="train-stop"),
-    Binding("c", "next_curve", "Curve", tooltip="Show the next training curve", id="train-curve"),
-    Binding("j", "start_stage_job", "Start job",
-            tooltip="Start the selected stage's job (server, extract, train, evaluate)", id="stage-job"),
-    Binding("l", "reload_evaluation", "Reload", tooltip="Read the evaluation report again", id="eval-reload"),
-]
+
+def start_estimate(stage: str, jobs, reports: dict, workspace) -> tuple[str, str]:
+    """(duration, disk need) of a stage's job, from what is known before it starts: the last
+    successful run of the same kind, and the disk stage's budget."""
+    from engine.disk import fmt_bytes  # noqa: F401  (engine helpers only; no I/O here)
+    from eagle3_console.fmt import fmt_duration
+
+    done = [j for j in jobs if j.kind == stage and j.state == "succeeded" and j.started_at and j.ended_at]
+    if done:
+        last = done[0]  # newest first
+        duration = f"about {fmt_duration(last.ended_at - last.started_at)} (the last {stage} job, {last.id})"
+    else:
+        duration = "unknown: no earlier run finished here"
+    if stage == "extract":
+        report = reports.get("disk")
+        budget = next((r for r in (report.results if report else ()) if r.name == "budget"), None)
+        disk = budget.evidence if budget is not None else "unknown: run the disk stage's checks (r on disk)"
+    elif stage == "train":
+        disk = f"checkpoints and the export in {workspace.drafter_dir} (small beside the hidden states)"
+    else:
+        disk = f"a report of a few kB in {workspace.eval_dir}"
+    return duration, disk
 
 
 class JobActions:
@@ -64,11 +72,115 @@ class JobActions:
         return ""
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        pane = ACTION_PANES.get(action)
-        # Never behind a modal (no `s` while a stop question is open), else only on its own pane.
-        if pane is not None and (isinstance(self.screen, ModalScreen) or self.active_pane() != pane):
-            return False
+        key = ACTION_KEYS.get(action)
+        if key is not None:
+            if key.mutates and self.engine.read_only:
+                return False  # neither shown nor accepted: a read-only console cannot do it
+            # Never behind a modal (no `s` while a stop question is open), else only on its own panes.
+            if key.panes and (isinstance(self.screen, ModalScreen) or self.active_pane() not in key.panes):
+                return False
         return super().check_action(action, parameters)
+
+    # -- the same two keys everywhere: s starts, S stops
+    def action_start(self) -> None:
+        pane = self.active_pane()
+        if pane == "pipeline":
+            self.action_start_stage_job()
+        elif pane == "server":
+            self.action_start_server()
+        elif pane in PANE_STAGES:
+            self.action_start_stage_job(PANE_STAGES[pane])
+
+    def action_stop(self) -> None:
+        pane = self.active_pane()
+        if pane == "jobs":
+            from eagle3_console.panes.jobs import JobsPane
+
+            job = self.query_one(JobsPane).selected_job
+            if job is None:
+                self.notify("no job selected", timeout=3)
+            else:
+                self.stop_job_asking(job)
+            return
+        if pane == "pipeline":
+            from eagle3_console.panes import PipelinePane
+
+            stage = self.query_one(PipelinePane).selected_stage
+        else:
+            stage = PANE_STAGES.get(pane, "")
+        if stage == "server":
+            self.action_stop_server()
+        elif stage == "extract":
+            self.action_stop_extraction()
+        elif stage == "train":
+            self.action_stop_training()
+        elif stage:
+            job = next((j for j in self.engine.running_jobs() if j.kind == stage), None)
+            if job is None:
+                self.notify(f"no {stage} job is running", timeout=4)
+            else:
+                self.stop_job_asking(job)
+        else:
+            self.notify("this stage has no job to stop", timeout=3)
+
+    def stop_job_asking(self, job) -> None:
+        """Stop any job (the Jobs pane's row, evaluate) after a yes; the server through its manager."""
+        from eagle3_console.cli_jobs import DEFAULT_GRACE_S, STOP_GRACE_S
+
+        if not job.active:
+            self.notify(f"job {job.id} is {job.state}: nothing to stop", timeout=4)
+            return
+        if job.kind == "server":
+            self.action_stop_server(focus=False)
+            return
+        grace = STOP_GRACE_S.get(job.kind, DEFAULT_GRACE_S)
+        body = (f"SIGTERM: the job finishes its unit of work and checkpoints; SIGKILL after {grace:g} s. "
+                "s on its stage starts it again and resumes.")
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._run(self._guarded(f"stopping {job.id}", self.engine.stop_job(job.id, grace=grace)),
+                          f"stopping {job.id}")
+
+        self.push_screen(ConfirmScreen(f"Stop {job.kind} job {job.id}?", body), answered)
+
+    # -- the Jobs pane
+    def _jobs_pane(self):
+        from eagle3_console.panes.jobs import JobsPane
+
+        return self.query_one(JobsPane)
+
+    def action_stacks(self) -> None:
+        job = self._jobs_pane().selected_job
+        if job is None or not job.active:
+            self.notify("select a running job: only a running job can write its stacks", timeout=4)
+            return
+        self._run(self._stacks(job.id), f"stacks of {job.id}")
+
+    async def _stacks(self, job_id: str) -> None:
+        import asyncio
+
+        pids = await asyncio.to_thread(self.engine.jobs.dump_stacks, job_id)
+        if pids:
+            pane = self._jobs_pane()
+            pane.follow = True
+            self.notify(f"{job_id} wrote its stacks to its log (pids {', '.join(map(str, pids))}); it goes on",
+                        timeout=5)
+        else:
+            self.notify(f"{job_id} is not running: no stacks", severity="warning", timeout=5)
+
+    def action_search(self) -> None:
+        self._jobs_pane().open_search()
+
+    def action_search_next(self) -> None:
+        self._jobs_pane().next_match(1)
+
+    def action_search_previous(self) -> None:
+        self._jobs_pane().next_match(-1)
+
+    def action_follow(self) -> None:
+        following = self._jobs_pane().toggle_follow()
+        self.notify("log: following its end" if following else "log: follow off", timeout=2)
 
     def _focus_pane(self, pane: str) -> None:
         if self.active_pane() != pane:
@@ -120,8 +232,9 @@ class JobActions:
             return
         self.notify(f"server {status.state} at {status.url}", timeout=5)
 
-    def action_stop_server(self) -> None:
-        self._focus_pane("server")
+    def action_stop_server(self, focus: bool = True) -> None:
+        if focus:
+            self._focus_pane("server")
         users = self.engine.server_users()
         warning = ""
         if users:
@@ -136,10 +249,12 @@ class JobActions:
 
         self.push_screen(ConfirmScreen("Stop the server?", body, warning), answered)
 
-    # -- starting a stage's job: asks first when the stages it needs are red
+    # -- starting a stage's job: a long job asks first (duration, disk need, red prerequisites)
     def _start_after_prerequisites(self, stage: str, start) -> None:
-        """Call `start()` now, or after a yes when stages the job needs are red (it would fail, or
-        wait forever: an extraction with no server sits at 0 %). A job already running is not asked about."""
+        """Call `start()` now, or after a yes: a long job (extract, train, evaluate) asks with its
+        estimated duration and disk need, and names the stages it needs that are red (started then,
+        it may fail, or wait forever: an extraction with no server sits at 0 %). A job already running
+        is not asked about (starting it again resumes or reports it)."""
         from engine.config import ConfigError
         from engine.pipeline import last_failure
 
@@ -150,22 +265,30 @@ class JobActions:
             red = self.engine.red_prerequisites(stage)
         except (ConfigError, OSError):  # a broken config or jobs folder: the start itself says what is wrong
             red = []
-        if not red:
+        if not red and stage not in LONG_JOBS:
             start()
             return
+        warning = ""
+        lines = []
+        if stage in LONG_JOBS:
+            reports = {r.stage: r for r in self.engine.reports()}
+            duration, disk = start_estimate(stage, self.engine.job_list, reports, self.workspace)
+            lines += [f"Estimated duration: {duration}", f"Disk: {disk}"]
         names = ", ".join(r.stage for r in red)
-        warning = (f"Red prerequisite stage{'s' if len(red) > 1 else ''}: {names}. The {stage} job needs "
-                   f"{'them' if len(red) > 1 else 'it'} green; started now it may fail or wait without progress.")
-        body = "\n".join(f"✘ {r.stage}: {last_failure(r)}" for r in red)
-        body += "\n\nStart it anyway? (n, then fix those stages on the Pipeline pane)"
+        if red:
+            warning = (f"Red prerequisite stage{'s' if len(red) > 1 else ''}: {names}. The {stage} job needs "
+                       f"{'them' if len(red) > 1 else 'it'} green; started now it may fail or wait without progress.")
+            lines += [""] + [f"✘ {r.stage}: {last_failure(r)}" for r in red]
+        lines += ["", "It runs detached: closing the console does not stop it. S stops it (asks)."]
+        title = f"Start the {stage} job with {names} red?" if red else f"Start the {stage} job?"
 
         def answered(yes: bool | None) -> None:
             if yes:
                 start()
             else:
-                self.notify(f"{stage} job not started: {names} red", timeout=5)
+                self.notify(f"{stage} job not started" + (f": {names} red" if red else ""), timeout=5)
 
-        self.push_screen(ConfirmScreen(f"Start the {stage} job with {names} red?", body, warning), answered)
+        self.push_screen(ConfirmScreen(title, "\n".join(lines).strip(), warning), answered)
 
     # -- extraction
     def action_start_extraction(self) -> None:
@@ -178,7 +301,7 @@ class JobActions:
         pane = self.query_one(ExtractionPane)
         job_id = pane.running_job_id
         if job_id is None:
-            self.notify("no extraction is running: x starts one", timeout=4)
+            self.notify("no extraction is running: s starts one", timeout=4)
             return
         pause = not pane.wants_pause()
         pane.pause_requested = pause
@@ -207,7 +330,7 @@ class JobActions:
             self.notify("no extraction is running", timeout=4)
             return
         body = ("It stops after the requests in flight. Finished samples are kept and verified; "
-                "x starts it again and resumes where it stopped.")
+                "s starts it again and resumes where it stopped.")
 
         def answered(yes: bool | None) -> None:
             if yes:
@@ -229,7 +352,7 @@ class JobActions:
         if job_id is None:
             self.notify("no training is running", timeout=4)
             return
-        body = "Stop training? The job checkpoints on SIGTERM; T resumes from that checkpoint."
+        body = "Stop training? The job checkpoints on SIGTERM; s resumes from that checkpoint."
         warning = ""
         if pane.latest_ckpt is None:
             warning = ("No checkpoint has been written yet: the one written on stop will be the first; "
@@ -287,22 +410,20 @@ class JobActions:
 
     # -- command palette
     def job_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield SystemCommand("Start server", "Start the server with capture on (s)", self.action_start_server)
-        yield SystemCommand("Stop server", "Stop the server; asks first (S)", self.action_stop_server)
-        yield SystemCommand("Start extraction", "Start or resume hidden-state extraction (x)",
-                            self.action_start_extraction)
-        yield SystemCommand("Pause/resume extraction", "Hold extraction after the requests in flight (p)",
-                            self.action_toggle_pause)
-        yield SystemCommand("Stop extraction", "Stop extraction; asks first (X)", self.action_stop_extraction)
-        yield SystemCommand("Start training", "Start training, or resume from its last checkpoint (T)",
-                            self.action_start_training)
-        yield SystemCommand("Stop training", "Stop training; it checkpoints first; asks first (K)",
-                            self.action_stop_training)
+        """Every job action once; a read-only console lists none that it would refuse."""
+        if not self.engine.read_only:
+            yield SystemCommand("Start server", "Start the server with capture on (s on Server)",
+                                self.action_start_server)
+            yield SystemCommand("Stop server", "Stop the server; asks first (S on Server)", self.action_stop_server)
+            for stage, pane in (("extract", "Extraction"), ("train", "Training"), ("evaluate", "Evaluation")):
+                yield SystemCommand(f"Start the {stage} job", f"Asks first, with its estimated time and disk need "
+                                    f"(s on {pane}, or on the {stage} stage)", partial(self.action_start_stage_job, stage))
+            yield SystemCommand("Pause/resume extraction", "Hold extraction after the requests in flight (p)",
+                                self.action_toggle_pause)
+            yield SystemCommand("Stop extraction", "Stop extraction; asks first (S on Extraction)",
+                                self.action_stop_extraction)
+            yield SystemCommand("Stop training", "It checkpoints first; asks first (S on Training)",
+                                self.action_stop_training)
         yield SystemCommand("Next training curve", "Loss → accuracy → acceptance length (c)", self.action_next_curve)
-        yield SystemCommand("Start the selected stage's job", "server start / extract / train / evaluate (j)",
-                            self.action_start_stage_job)
-        for stage in ("extract", "train", "evaluate"):
-            yield SystemCommand(f"Start the {stage} job", f"Start the {stage} stage's job from anywhere",
-                                partial(self.action_start_stage_job, stage))
-        yield SystemCommand("Reload evaluation report", "Read eval/<run>/report.json again (l)",
+        yield SystemCommand("Reload evaluation report", "Read eval/<run>/report.json again (u)",
                             self.action_reload_evaluation)

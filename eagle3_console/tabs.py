@@ -10,5 +10,6 @@ TABS: list[tuple[str, str]] = [
     ("extraction", "Extraction"),
     ("training", "Training"),
     ("evaluation", "Evaluation"),
+    ("jobs", "Jobs"),
 ]
 TAB_IDS = tuple(tab for tab, _label in TABS)

@@ -29,7 +29,8 @@ from eagle3_console.panes import ExtractionPane, GpuPane, PipelinePane
 from eagle3_console.panes.gpu import gpu_rows
 
 PANE_CLASSES = {"gpus": "GpuPane", "server": "ServerPane", "pipeline": "PipelinePane",
-                "extraction": "ExtractionPane", "training": "TrainingPane", "evaluation": "EvaluationPane"}
+                "extraction": "ExtractionPane", "training": "TrainingPane", "evaluation": "EvaluationPane",
+                "jobs": "JobsPane"}
 STAGES = ["gpus", "model", "dataset", "server", "capture", "disk", "extract", "train", "evaluate"]
 
 
@@ -100,16 +101,16 @@ async def test_tabs_reachable_by_number_keys_at_80x24(ws):
         for stage in STAGES:
             assert re.search(rf"\b{stage}\b", text), stage
         footer = screen_lines(app)[-1]
-        for key, label in (("q", "Quit"), ("r", "Run stage"), ("R", "Run all"), ("t", "Theme"), ("?", "Help")):
+        for key, label in (("q", "Quit"), ("r", "Check"), ("R", "Check all"), ("s", "Start"), ("?", "Help")):
             assert key in footer and label in footer
         app.save_screenshot("/tmp/console_80x24.svg")
         for line in screen_lines(app):
             assert len(line.rstrip()) <= 80
 
 
-async def test_all_six_panes_visible_together_at_160x50(ws):
+async def test_all_seven_panes_visible_together_at_200x60(ws):
     app = ConsoleApp(Engine(ws))
-    async with app.run_test(size=(160, 50)) as pilot:
+    async with app.run_test(size=(200, 60)) as pilot:
         await wait_until(pilot, lambda: app.query_one(ExtractionPane).usages)
         await wait_until(pilot, lambda: app.query_one(GpuPane).snapshot is not None)
         await pilot.pause(0.2)  # let the layout settle after the first samples
@@ -121,9 +122,18 @@ async def test_all_six_panes_visible_together_at_160x50(ws):
             for b in panes[i + 1:]:
                 assert not a.region.overlaps(b.region)
         text = screen_text(app)
-        for title in ("GPUs & NCCL", "Server", "Pipeline", "Extraction", "Training", "Evaluation"):
+        for title in ("GPUs & NCCL", "Server", "Pipeline", "Extraction", "Training", "Evaluation", "Jobs"):
             assert title in text
-        app.save_screenshot("/tmp/console_160x50.svg")
+        app.save_screenshot("/tmp/console_200x60.svg")
+        # 120-199 columns: two columns, Pipeline on the left and the chosen pane beside it.
+        await pilot.resize_terminal(140, 40)
+        await pilot.pause()
+        assert app.query_one("#tabs").display
+        await pilot.press("4")
+        await pilot.pause()
+        shown = [cls for cls in PANE_CLASSES.values() if app.query_one(cls).display]
+        assert shown == ["PipelinePane", "ExtractionPane"], shown
+        assert not app.query_one(PipelinePane).region.overlaps(app.query_one(ExtractionPane).region)
         # Narrowing the terminal switches back to tabs without losing the pipeline cursor.
         app.query_one(PipelinePane).select_stage("disk")
         await pilot.resize_terminal(100, 30)
@@ -357,16 +367,30 @@ async def test_eight_gpus_fit_at_80x24_with_trends_and_nccl(ws):
         assert all(len(line.rstrip()) <= 80 for line in lines)
 
 
-async def test_pipeline_j_starts_only_stages_with_a_job(ws):
+async def test_pipeline_s_starts_only_stages_with_a_job_and_j_only_moves(ws):
     app = ConsoleApp(Engine(ws))
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
-        app.query_one(PipelinePane).select_stage("model")
-        await pilot.press("j")
+        pane = app.query_one(PipelinePane)
+        pane.select_stage("model")
+        await pilot.press("s")
         await pilot.pause()
         assert any("stage 'model' has no job: Enter runs its checks" in n.message for n in app._notifications)
-        assert "j Start job" in screen_lines(app)[-1]
+        assert "s Start" in screen_lines(app)[-1]
+        # vim navigation: j / k move the cursor and never start anything
+        pane.select_stage("disk")
+        await pilot.press("j")
+        await pilot.pause()
+        assert pane.selected_stage == "extract"
+        assert app.screen is app.screen_stack[0]  # no start question
+        await pilot.press("k")
+        await pilot.pause()
+        assert pane.selected_stage == "disk"
+        assert not app.engine.jobs.list()
         titles = [c.title for c in app.get_system_commands(app.screen)]
-        for wanted in ("Start the selected stage's job", "Start the extract job", "Start the evaluate job",
-                       "Show Evaluation", "Reload evaluation report"):
+        for wanted in ("Start the extract job", "Start the evaluate job", "Show Evaluation", "Show Jobs",
+                       "Reload evaluation report"):
             assert wanted in titles
+        assert len(titles) == len(set(titles)), "duplicate palette entries"
+        for unbound in ("Quit", "Keys", "Maximize"):
+            assert unbound not in titles

@@ -247,7 +247,7 @@ async def test_extraction_pane_follows_a_real_job(ws):
         # Projection: 528 bytes/token so far × 7000 tokens to go, on top of what is used now.
         assert "at completion ▓ used" in gauges and "clear of the reserve" in gauges
         footer = screen_lines(app)[-1]
-        for key, label in (("x", "Extract"), ("p", "Pause"), ("X", "Stop")):
+        for key, label in (("s", "Start"), ("p", "Pause"), ("S", "Stop")):
             assert f"{key} {label}" in footer
         assert_fits_80(app)
 
@@ -313,7 +313,7 @@ async def test_training_pane_plots_metrics_and_stop_asks(ws):
         assert "no checkpoint yet" in text and "eval 4.100" in text
         assert re.search(r"[\u2801-\u28ff]", text), "no braille curve drawn"
         assert "loss  (c: next curve)" in text
-        assert "T Train" in screen_lines(app)[-1] and "K Stop" in screen_lines(app)[-1]
+        assert "s Start" in screen_lines(app)[-1] and "S Stop" in screen_lines(app)[-1]
         assert_fits_80(app)
 
         # The torn line completes; a checkpoint and a best marker appear.
@@ -336,14 +336,14 @@ async def test_training_pane_plots_metrics_and_stop_asks(ws):
         # Stopping a running training job asks, saying it checkpoints on SIGTERM.
         job = engine.jobs.start("train", [sys.executable, "-c", "import time; time.sleep(30)"])
         await wait_until(pilot, lambda: pane.running_job_id == job.id)
-        await pilot.press("K")
+        await pilot.press("S")
         await pilot.pause()
         assert isinstance(app.screen, ConfirmScreen)
         assert "checkpoints on SIGTERM" in screen_text(app) and "step 60" in screen_text(app)
         await pilot.press("n")
         await pilot.pause()
         assert engine.jobs.get(job.id).state == "running"
-        await pilot.press("K")
+        await pilot.press("S")
         await pilot.pause()
         await pilot.press("y")
         await wait_until(pilot, lambda: engine.jobs.get(job.id).state not in ("starting", "running"))
@@ -359,12 +359,12 @@ async def test_stop_training_warns_when_no_checkpoint_exists(ws):
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("5")
         pane = app.query_one(TrainingPane)
-        await pilot.press("K")
+        await pilot.press("S")
         await wait_until(pilot, lambda: any("no training is running" in n for n in notifications(app)))
         job = engine.jobs.start("train", [sys.executable, "-c", "import time; time.sleep(30)"])
         try:
             await wait_until(pilot, lambda: pane.running_job_id == job.id)
-            await pilot.press("K")
+            await pilot.press("S")
             await pilot.pause()
             assert "No checkpoint has been written yet" in screen_text(app)
             await pilot.press("n")

@@ -55,8 +55,26 @@ def disks(full: bool = False) -> tuple[DiskUsage, ...]:
 
 def job(job_id: str, kind: str, state: str, exit_code: int | None = None) -> JobInfo:
     return JobInfo(id=job_id, kind=kind, argv=("python", "-m", f"engine.{kind}"), state=state, pid=4100,
-                   create_time=T0, exit_code=exit_code, started_at=T0, ended_at=None, last_log_lines=(),
-                   dir=Path("/nonexistent") / job_id)
+                   create_time=T0, exit_code=exit_code, started_at=T0, ended_at=None,
+                   last_log_lines=tuple(job_log(job_id, state)[-5:]), dir=Path("/nonexistent") / job_id)
+
+
+def job_log(job_id: str, state: str = "running") -> list[str]:
+    """A fixed log for a scene's job (what JobManager.tail would read)."""
+    kind = job_id.split("-")[0]
+    lines = [f"[00:00:0{i}] {kind}: step {i * 50} of 400 · {4000 + 10 * i} tok/s" for i in range(1, 9)]
+    if state == "failed":
+        lines += ["Traceback (most recent call last):", '  File "engine/train/loop.py", line 212, in step',
+                  "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    return lines
+
+
+def scene_tail(job_id: str, n: int = 50) -> list[str]:
+    state = SCENE_STATES.get(job_id, "running")
+    return job_log(job_id, state)[-n:]
+
+
+SCENE_STATES: dict[str, str] = {}
 
 
 def server_status(state: str = "ready") -> ServerStatus:
@@ -171,6 +189,7 @@ def make_app(ws, scene: str) -> ConsoleApp:
         return None
 
     engine.start = no_pollers
+    engine.jobs.tail = scene_tail  # the scene's jobs have fixed logs (no job folders)
     return ConsoleApp(engine)
 
 
@@ -182,6 +201,9 @@ async def apply_scene(app: ConsoleApp, pilot, scene: str, tab: str | None = None
     header = app.query_one(ConsoleHeader)
     header.workspace = SHOWN_ROOT
     header._render_line()
+    from eagle3_console.strip import StatusStrip
+
+    app.query_one(StatusStrip).state.server_port = 30000  # the workspace's port is a free one: varies
     emit = engine._emit
     if scene == "empty":
         emit(GpuUpdated(gpu_snapshot(available=False)))
@@ -195,8 +217,10 @@ async def apply_scene(app: ConsoleApp, pilot, scene: str, tab: str | None = None
         phase = {"running": "paused", "failed": "failed", "done": "done"}[scene]
         ext_state = {"running": "running", "failed": "failed", "done": "succeeded"}[scene]
         train_state = {"running": "running", "failed": "failed", "done": "succeeded"}[scene]
-        jobs = (job("train-20260101-0002", "train", train_state, None if scene == "running" else 0),
-                job("extract-20260101-0001", "extract", ext_state, None if scene == "running" else 0))
+        codes = {"running": None, "failed": 1, "succeeded": 0}
+        SCENE_STATES.update({"train-20260101-0002": train_state, "extract-20260101-0001": ext_state})
+        jobs = (job("train-20260101-0002", "train", train_state, codes[train_state]),
+                job("extract-20260101-0001", "extract", ext_state, codes[ext_state]))
         emit(JobsUpdated(jobs))
         emit(JobEvents("extract-20260101-0001", "extract", extract_events(phase)))
         train_events = [{"type": "started", "t": T0, "total_steps": 400}]
@@ -207,6 +231,10 @@ async def apply_scene(app: ConsoleApp, pilot, scene: str, tab: str | None = None
         emit(JobEvents("train-20260101-0002", "train", tuple(train_events)))
         for report in stage_reports({"running": "mixed", "failed": "mixed", "done": "passed"}[scene]):
             emit(StageUpdated(report))
+    from eagle3_console.panes import JobsPane
+
+    app.query_one(JobsPane).clock = lambda: T0 + 754  # ages are fixed
+    app.query_one(JobsPane)._rebuild()
     training, evaluation = app.query_one(TrainingPane), app.query_one(EvaluationPane)
     for _ in range(100):
         await pilot.pause(0.02)

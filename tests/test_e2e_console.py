@@ -109,8 +109,11 @@ async def test_demo_to_green_evaluate_by_keys(demo_ws):
             await pilot.pause(0.2)
 
         async def run_job(stage: str, pane_type, timeout: float, midway=None) -> None:
-            """`j` on the stage: its job appears in its pane at once; wait for it to succeed."""
-            await pilot.press("j")
+            """`s` on the stage asks (estimated time and disk need), `y` starts it: its job appears in its
+            pane at once; wait for it to succeed."""
+            await pilot.press("s")
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 10, f"{stage} start question")
+            await pilot.press("y")
             pane = app.query_one(pane_type)
             await wait_until(pilot, lambda: pane.running_job_id is not None, 10, f"{stage} job shown in its pane")
             job_id = pane.running_job_id
@@ -135,10 +138,10 @@ async def test_demo_to_green_evaluate_by_keys(demo_ws):
         for stage in ("server", "capture", "extract", "train", "evaluate"):
             assert state(stage) == "failed", stage
 
-        # server: `j` starts it (capture on); the pane and the check follow.
+        # server: `s` starts it (capture on); the pane and the check follow.
         while pipeline.selected_stage != "server":
             await pilot.press("down")
-        await pilot.press("j")
+        await pilot.press("s")
         server_pane = app.query_one(ServerPane)
         await wait_until(pilot, lambda: server_pane.state == "ready", 120, "server ready")
         assert await check("server") == "passed"

@@ -1,5 +1,6 @@
 """Snapshot tests (pytest-textual-snapshot) of every pane in its empty, running, failed and
-done states, at 80x24 (one tab at a time) and 160x50 (all panes at once).
+done states: at 80x24 (one tab at a time), 120x40 (Pipeline beside the chosen pane) and 200x60
+(every pane at once). The status strip is on every frame.
 
 Scenes come from tests/test_console_scenes.py: a real console over a real workspace fed fixed
 engine events and fixed files (the 8-GPU snapshot is hand-built: no NVML on CI). Update the
@@ -20,8 +21,10 @@ NARROW = [
     ("extraction", "running"), ("extraction", "failed"), ("extraction", "done"),
     ("training", "running"), ("training", "failed"),
     ("evaluation", "empty"), ("evaluation", "done"),
+    ("jobs", "running"), ("jobs", "failed"),
 ]
 WIDE = ["empty", "running", "failed", "done"]
+SPLIT = [("jobs", "failed"), ("extraction", "running"), ("training", "done"), ("gpus", "running")]
 
 
 @pytest.mark.parametrize(("tab", "scene"), NARROW, ids=[f"{t}-{s}" for t, s in NARROW])
@@ -34,11 +37,21 @@ def test_pane_at_80x24(snap_compare, tmp_path, tab, scene):
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
 
 
+@pytest.mark.parametrize(("tab", "scene"), SPLIT, ids=[f"{t}-{s}" for t, s in SPLIT])
+def test_two_columns_at_120x40(snap_compare, tmp_path, tab, scene):
+    app = make_app(make_workspace(tmp_path), scene)
+
+    async def run_before(pilot) -> None:
+        await apply_scene(app, pilot, scene, tab)
+
+    assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
+
+
 @pytest.mark.parametrize("scene", WIDE)
-def test_all_panes_at_160x50(snap_compare, tmp_path, scene):
+def test_all_panes_at_200x60(snap_compare, tmp_path, scene):
     app = make_app(make_workspace(tmp_path), scene)
 
     async def run_before(pilot) -> None:
         await apply_scene(app, pilot, scene, "pipeline")
 
-    assert snap_compare(app, terminal_size=(160, 50), run_before=run_before)
+    assert snap_compare(app, terminal_size=(200, 60), run_before=run_before)

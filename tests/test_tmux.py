@@ -70,7 +70,7 @@ def test_installed_console_in_tmux(tmp_path):
         assert "╭─ Pipeline" in screen and "evaluate" in screen
         tmux(socket, "send-keys", "-t", "console", "4")
         screen = wait_for(socket, lambda s: "╭─ Extraction" in s)
-        assert "x Extract" in screen and "╭─ Pipeline" not in screen
+        assert "s Start" in screen and "S Stop" in screen and "╭─ Pipeline" not in screen
         tmux(socket, "send-keys", "-t", "console", "q")
         deadline = time.monotonic() + 15
         while not marker.exists() and time.monotonic() < deadline:

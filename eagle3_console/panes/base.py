@@ -36,7 +36,13 @@ class Pane(Vertical):
         refresh; the deck calls `pane_shown` as soon as it shows a pane.
         """
         deck = self.parent
-        return deck is None or not deck.has_class("-narrow") or self.has_class("-active")
+        if deck is None:
+            return True
+        if deck.has_class("-narrow"):
+            return self.has_class("-active")
+        if deck.has_class("-split"):
+            return self.id == "pane-pipeline" or self.has_class("-right")
+        return True
 
     def render_when_shown(self) -> bool:
         """True if the pane is shown (render now); else remember to render on `pane_shown`.

@@ -210,7 +210,7 @@ class ExtractionPane(Pane):
         # Scrolls (Tab focuses it) when the disks do not fit under the progress at 80x24.
         with VerticalScroll(id="extract-scroll"):
             yield Static(
-                "[b]no extraction run yet[/b]\n[$text-muted]Pass the checks up to `disk`, then press [b]x[/b] to "
+                "[b]no extraction run yet[/b]\n[$text-muted]Pass the checks up to `disk`, then press [b]s[/b] to "
                 "extract.[/]",
                 id="extract-state",
             )

@@ -13,6 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Static
 
+from eagle3_console.keys import nav_bindings, scroll_bindings
 from eagle3_console.messages import RunChecks, StageChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
@@ -69,10 +70,21 @@ def detail_markup(stage, report) -> str:
 
 
 class StageTable(DataTable):
-    """The stage list; Enter is "run this stage's checks" (DataTable's row selection)."""
+    """The stage list; Enter is "run this stage's checks" (DataTable's row selection); j/k move."""
+
+    BINDINGS = nav_bindings()
 
     DEFAULT_CSS = """
     StageTable { height: auto; max-height: 11; background: $surface; overflow-x: hidden; }
+    """
+
+
+class DetailScroll(VerticalScroll):
+    """The selected stage's checks; Tab focuses it, then j/k, arrows and PgUp/PgDn scroll it."""
+
+    BINDINGS = scroll_bindings()
+    DEFAULT_CSS = """
+    DetailScroll:focus { background-tint: $foreground 5%; }
     """
 
 
@@ -94,7 +106,7 @@ class PipelinePane(Pane):
 
     def compose(self) -> ComposeResult:
         yield StageTable(id="stage-table", cursor_type="row", show_cursor=True)
-        with VerticalScroll(id="stage-detail-scroll", can_focus=False):
+        with DetailScroll(id="stage-detail-scroll"):
             yield Static("", id="stage-detail")
 
     def on_mount(self) -> None:

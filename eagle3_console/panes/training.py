@@ -202,7 +202,7 @@ class TrainingPane(Pane):
     def compose(self) -> ComposeResult:
         yield Static(
             "[b]no training run yet[/b]\n[$text-muted]Curves appear here once training runs; "
-            "press [b]T[/b] to start (or resume) it.[/]",
+            "press [b]s[/b] to start (or resume) it.[/]",
             id="training-state",
         )
         yield Static("", id="training-figures")
@@ -264,7 +264,7 @@ class TrainingPane(Pane):
             elif kind == "finished":
                 self.job_note = f"finished: exported to {event.get('export', '?')}"
             elif kind == "stopped":
-                self.job_note = f"stopped at step {event.get('step', '?')}; T resumes from the checkpoint"
+                self.job_note = f"stopped at step {event.get('step', '?')}; s resumes from the checkpoint"
             elif kind == "started":
                 self.job_note = ""
         self._render_all()

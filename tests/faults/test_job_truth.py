@@ -132,9 +132,11 @@ async def test_failed_extraction_says_why_in_toast_pane_check_and_jobs_list(tmp_
         engine = Engine(Workspace(ws.root))
         app = ConsoleApp(engine)
         toasts = record_toasts(app)
-        async with app.run_test(size=(120, 36)) as pilot:
+        async with app.run_test(size=(110, 36)) as pilot:  # one pane at a time: full-width stage rows
             await pilot.press("4")
-            await pilot.press("x")
+            await pilot.press("s")  # start asks first (estimated time, disk need): yes
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "the start question")
+            await pilot.press("y")
             await wait_until(pilot, lambda: engine.jobs.list(), 20, "the extraction job")
             job = engine.jobs.list()[0]
             await wait_until(pilot, lambda: engine.jobs.get(job.id).state == "failed", 120, "the job to fail")
@@ -197,7 +199,7 @@ async def test_starting_a_job_with_red_prerequisites_asks_and_names_them(tmp_pat
         assert engine.pipeline.report("server").state.value == "failed"
 
         app.query_one(PipelinePane).select_stage("extract")
-        await pilot.press("j")
+        await pilot.press("s")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "a confirmation")
         text = screen_text(app)
         assert "server" in text and "model" in text and "red" in text, text
@@ -206,8 +208,8 @@ async def test_starting_a_job_with_red_prerequisites_asks_and_names_them(tmp_pat
         assert engine.jobs.list() == [], "answering no starts nothing"
 
         await pilot.press("4")
-        await pilot.press("x")
-        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "a confirmation for x")
+        await pilot.press("s")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "a confirmation for s")
         assert "server" in screen_text(app)
         await pilot.press("y")
         await wait_until(pilot, lambda: engine.jobs.list(), 20, "the job started after yes")
