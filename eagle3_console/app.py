@@ -69,6 +69,7 @@ class ConsoleApp(JobActions, App[int]):
     CSS = """
     Screen { layout: vertical; }
     #tabs.-hidden { display: none; }
+    Tab { color: $foreground 75%; }  /* Textual's 50 % is 3.1:1 on the light theme */
     ToastRack { display: none; }  /* messages go to the header line: a toast never hides content */
     """
     BINDINGS = bindings()  # eagle3_console.keys: the one key table
