@@ -418,3 +418,49 @@ async def test_pane_inconclusive_verdict_is_amber_with_the_load():
         assert verdict.has_class("-inconclusive") and not verdict.has_class("-slower")
         assert "INCONCLUSIVE" in str(verdict.render()) and "3.00 peak on 2 CPUs" in str(verdict.render())
         assert str(app.query_one("#evaluation-fix", Static).render()).startswith("fix: ")
+
+
+# ----------------------------------------------------------------------------- progress in status
+
+
+EVAL_JOB = """
+import time
+from engine.jobctx import JobContext
+ctx = JobContext.from_env()
+ctx.event("started", backend="local", prompts=8, rounds=3)
+ctx.event("progress", unit="requests x rounds", done=12, total=36, concurrency=1, round=2, rounds=3,
+          acceptance_length=2.41, speedup=1.33, eta_s=20.0)
+time.sleep(60)
+"""
+
+
+def test_running_evaluation_progress_in_status_and_the_stage(tmp_path):
+    """A real evaluate-kind job that reports progress as the evaluation does: `status` shows requests x
+    rounds done (text) and the running acceptance length (JSON); the `evaluate` check names both."""
+    import time
+
+    from engine.checks.context import CheckContext
+    from engine.checks.evaluate import check_evaluate
+    from engine.jobs import JobManager
+    from tests.test_console import make_workspace
+
+    ws = make_workspace(tmp_path)
+    jobs = JobManager(ws.jobs_dir)
+    job = jobs.start("evaluate", [sys.executable, "-c", EVAL_JOB])
+    try:
+        events = job.dir / "events.jsonl"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (events.exists() and b"progress" in events.read_bytes()):
+            time.sleep(0.1)
+        (result,) = check_evaluate(CheckContext(ws))
+        assert result.evidence == (f"evaluation running (job {job.id}): 12/36 requests x rounds, concurrency 1 "
+                                   "round 2/3, acceptance length so far 2.41, median speedup so far 1.33×")
+        run = lambda *extra: subprocess.run(  # noqa: E731
+            [sys.executable, "-m", "eagle3_console", "status", "-w", str(ws.root), *extra], capture_output=True,
+            text=True, timeout=60)
+        line = next(x for x in run().stdout.splitlines() if x.strip().startswith(job.id))
+        assert "evaluate" in line and "12/36 (33%)" in line and "ETA 20s" in line
+        entry = next(j for j in json.loads(run("--json").stdout)["jobs"] if j["id"] == job.id)
+        assert entry["progress"]["acceptance_length"] == 2.41 and entry["progress"]["done"] == 12
+    finally:
+        jobs.stop_sync(job.id, grace=5)
