@@ -53,7 +53,7 @@ from eagle3_console.panes import (
 )
 from eagle3_console.fmt import finite
 from eagle3_console.strip import JobProgress, StatusStrip
-from eagle3_console.tabs import TABS
+from eagle3_console.tabs import SHORT_LABELS, SHORT_TABS_BELOW, TABS
 
 ENGINE_START_DELAY_S = 0.1  # after the first paint: the footer is rebuilt just after it
 TTY_CHECK_S = 1.0  # how often the app checks that its terminal is still there (then closes cleanly)
@@ -363,7 +363,14 @@ class ConsoleApp(JobActions, App[int]):
     def _apply_layout(self, width: int) -> None:
         name = layout_for(width)
         self.query_one(PaneDeck).set_layout(name)
-        self.query_one("#tabs", Tabs).set_class(name == "wide", "-hidden")
+        tabs = self.query_one("#tabs", Tabs)
+        tabs.set_class(name == "wide", "-hidden")
+        short = width < SHORT_TABS_BELOW
+        for i, (tab, label) in enumerate(TABS, start=1):
+            wanted = f"{i} {SHORT_LABELS[tab] if short else label}"
+            for widget in tabs.query(f"#{tab}"):
+                if str(widget.label) != wanted:
+                    widget.label = wanted
 
     def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
         if event.tab is not None and event.tab.id:

@@ -13,3 +13,7 @@ TABS: list[tuple[str, str]] = [
     ("jobs", "Jobs"),
 ]
 TAB_IDS = tuple(tab for tab, _label in TABS)
+# Below SHORT_TABS_BELOW columns the tab bar uses these, so all seven tabs fit in 60 columns.
+SHORT_LABELS = {"gpus": "GPU", "server": "Srv", "pipeline": "Pipe", "extraction": "Extr", "training": "Train",
+                "evaluation": "Eval", "jobs": "Jobs"}
+SHORT_TABS_BELOW = 80

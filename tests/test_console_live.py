@@ -312,7 +312,8 @@ async def test_training_pane_plots_metrics_and_stop_asks(ws):
         assert f"best AL {best:.2f} @ step 50" in text
         assert "no checkpoint yet" in text and "eval 4.100" in text
         assert re.search(r"[\u2801-\u28ff]", text), "no braille curve drawn"
-        assert "loss  (c: next curve)" in text
+        assert "loss: ⣿ train  • eval  (c: next curve)" in text  # the legend, above the plot
+        assert "step" in text  # the x axis is labelled
         assert "s Start" in screen_lines(app)[-1] and "S Stop" in screen_lines(app)[-1]
         assert_fits_80(app)
 

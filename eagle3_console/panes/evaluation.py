@@ -24,6 +24,7 @@ from textual.containers import ScrollableContainer
 from textual.message import Message
 from textual.widgets import Static
 
+from eagle3_console.keys import scroll_bindings
 from eagle3_console.messages import JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from engine.evaluate import stats
@@ -92,6 +93,12 @@ def compact_level_lines(report: dict[str, Any]) -> list[str]:
 EMPTY_TEXT = "no evaluation yet — run the evaluate stage to measure acceptance length and speedup"
 
 
+class ReportScroll(ScrollableContainer):
+    """The report's tables: Tab focuses them; j/k, arrows, PgUp/PgDn and ←/→ scroll."""
+
+    BINDINGS = scroll_bindings()
+
+
 class EvaluationReportRead(Message, bubble=False):
     """A worker read report.json: the report, or None with the reason (missing, unreadable)."""
 
@@ -141,7 +148,7 @@ class EvaluationPane(Pane):
         yield Static("", id="evaluation-levels", markup=False)  # one row per concurrency, above the scroll
         yield Static("", id="evaluation-recommendation", markup=False)
         yield Static("", id="evaluation-header", markup=False)
-        with ScrollableContainer(id="evaluation-scroll"):  # a table wider than the pane scrolls sideways
+        with ReportScroll(id="evaluation-scroll"):  # a table wider than the pane scrolls sideways
             yield Static("", id="evaluation-table", markup=False)
             yield Static("", id="evaluation-positions", markup=False)
             yield Static("", id="evaluation-notes", markup=False)

@@ -19,6 +19,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import ProgressBar, Sparkline, Static
 
 from eagle3_console.fmt import finite, fmt_count, fmt_duration
+from eagle3_console.keys import scroll_bindings
 from eagle3_console.messages import DiskChanged, JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
@@ -174,6 +175,12 @@ def notice_for(event: dict) -> tuple[str, str] | None:
     return None
 
 
+class ExtractScroll(VerticalScroll):
+    """Progress and disks: Tab focuses it; j/k, arrows and PgUp/PgDn scroll."""
+
+    BINDINGS = scroll_bindings()
+
+
 PHASE_COLOURS = {"running": "$success", "paused": "$warning", "finished": "$success", "stopped": "$warning",
                  "error": "$error", "incomplete": "$warning", "planning": "$primary", "failed": "$error",
                  "lost": "$error"}
@@ -208,7 +215,7 @@ class ExtractionPane(Pane):
 
     def compose(self) -> ComposeResult:
         # Scrolls (Tab focuses it) when the disks do not fit under the progress at 80x24.
-        with VerticalScroll(id="extract-scroll"):
+        with ExtractScroll(id="extract-scroll"):
             yield Static(
                 "[b]no extraction run yet[/b]\n[$text-muted]Pass the checks up to `disk`, then press [b]s[/b] to "
                 "extract.[/]",

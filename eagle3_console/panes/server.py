@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from textual.app import ComposeResult
-from textual.containers import Horizontal
+from textual.containers import Horizontal, Vertical
 from textual.widgets import Sparkline, Static
 
 from eagle3_console.fmt import finite, fmt_duration, fmt_num
@@ -104,8 +104,10 @@ class ServerPane(Pane):
     DEFAULT_CSS = """
     ServerPane #server-state { height: auto; }
     ServerPane #server-failure { height: auto; color: $error; }
-    ServerPane #server-rate-row { height: 2; margin-top: 1; }
-    ServerPane #server-rate { width: 34; }
+    ServerPane #server-rate-row { height: 3; margin-top: 1; }
+    ServerPane #server-rate { width: 30; }
+    ServerPane #server-spark-box { width: 1fr; height: 3; }
+    ServerPane #server-spark-label { height: 1; color: $text-muted; }
     ServerPane #server-spark { width: 1fr; height: 2; }
     ServerPane #server-log-title { height: 1; margin-top: 1; color: $text-muted; }
     ServerPane #server-log { height: 1fr; color: $text-muted; }
@@ -126,7 +128,9 @@ class ServerPane(Pane):
         yield Static("", id="server-failure")
         with Horizontal(id="server-rate-row"):
             yield Static("", id="server-rate")
-            yield Sparkline([], id="server-spark")
+            with Vertical(id="server-spark-box"):
+                yield Static("", id="server-spark-label")
+                yield Sparkline([], id="server-spark")
         yield Static("log", id="server-log-title")
         yield Static("", id="server-log")
 
@@ -174,7 +178,11 @@ class ServerPane(Pane):
         rate = "?" if status.gen_throughput is None else f"{status.gen_throughput:.1f}"
         set_markup(self.query_one("#server-rate", Static),
             f"gen [b]{rate}[/b] tok/s\nrunning {fmt_num(status.running_reqs, 0)} · queued {fmt_num(status.queued_reqs, 0)}")
-        self.query_one("#server-spark", Sparkline).data = list(self.throughput) or [0.0]
+        data = list(self.throughput) or [0.0]
+        self.query_one("#server-spark", Sparkline).data = data
+        peak = max(data)
+        set_markup(self.query_one("#server-spark-label", Static),
+                   f"generated tok/s, last {len(self.throughput)} poll{'' if len(self.throughput) == 1 else 's'} · 0 to peak {peak:.0f}")
         tail = status.log_tail or (self.failure[1] if self.failure else ())
         self._render_log(tail)
 

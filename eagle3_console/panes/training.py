@@ -39,6 +39,11 @@ METRICS_FILE = "metrics.jsonl"
 CKPT_DIR = "checkpoints"  # engine.train.checkpoint layout (not imported: it pulls in torch)
 CURVES = ("loss", "acc", "al")
 CURVE_TITLES = {"loss": "loss", "acc": "accuracy per position", "al": "simulated acceptance length"}
+CURVE_YLABELS = {"loss": "loss", "acc": "accuracy", "al": "accept. length"}
+# One marker per series, so lines differ without colour (and on a monochrome terminal); the legend
+# is in the title line, above the plot, never over a curve.
+MARKERS = ("braille", "•", "x", "+")
+MARKER_GLYPHS = {"braille": "⣿", "•": "•", "x": "x", "+": "+"}
 SHOWN_POSITIONS = (0, 1, 3, 6)  # a few TTT positions; all of them would be unreadable
 MAX_POINTS = 400  # plotted points per line (older ones are thinned, not dropped from memory)
 ALL_CURVES_MIN_WIDTH = 120
@@ -370,10 +375,15 @@ class TrainingPane(Pane):
             plt.clear_data()
             plt.clear_figure()
             lines = self.plot_data(name)  # finite points only: plotext fails on NaN/inf
-            title = CURVE_TITLES[name] + ("" if lines else " (no finite values)") + ("" if wide else "  (c: next curve)")
+            legend = "  ".join(f"{MARKER_GLYPHS[MARKERS[i % len(MARKERS)]]} {label.replace('pos ', 'p')}"
+                               for i, label in enumerate(lines))
+            title = (CURVE_TITLES[name] + (f": {legend}" if legend else " (no finite values)")
+                     + ("" if wide else "  (c: next curve)"))
             plt.title(title)
-            for i, (label, (xs, ys)) in enumerate(lines.items()):
-                plt.plot(xs, ys, label=label, color=palette[i % len(palette)], marker="braille")
+            plt.xlabel("step")
+            plt.ylabel(CURVE_YLABELS[name])
+            for i, (_label, (xs, ys)) in enumerate(lines.items()):
+                plt.plot(xs, ys, color=palette[i % len(palette)], marker=MARKERS[i % len(MARKERS)])
             widget.refresh()
 
     def _palette(self) -> list[tuple[int, int, int]]:
