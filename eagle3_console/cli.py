@@ -101,15 +101,42 @@ def _open_workspace(args):
 # ----------------------------------------------------------------------------- commands
 
 
+def refuse_init_reason(target: Path) -> str | None:
+    """Why `init` must not turn `target` into a workspace: it is a file, or a non-empty directory that
+    is not one already (a source checkout, a home directory); None when it may."""
+    from engine.workspace import Workspace
+
+    if not target.exists():
+        return None
+    if not target.is_dir():
+        return f"{target} exists and is not a directory"
+    if Workspace(target).exists():
+        return None  # a workspace already: init leaves what is there
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in target.iterdir())
+    if not entries:
+        return None
+    shown = ", ".join(entries[:6]) + (f" and {len(entries) - 6} more" if len(entries) > 6 else "")
+    return (f"{target} is not empty and is not a workspace (no console.toml); it holds {shown}. "
+            "Choose a new or empty directory (init would write console.toml, jobs/, state/ among them)")
+
+
 def cmd_init(args) -> int:
+    import time
+
     from engine.workspace import init_workspace
 
     def progress(text: str) -> None:
-        print(f"  {text}", flush=True)
+        print(f"  [{time.monotonic() - started:5.0f} s] {text}", flush=True)
+
+    refused = refuse_init_reason(Path(args.dir).resolve())
+    if refused:
+        return _fail(refused)
+    started = time.monotonic()
 
     print(f"Creating {'demo ' if args.demo else ''}workspace {Path(args.dir).resolve()}", flush=True)
     ws = init_workspace(args.dir, demo=args.demo, progress=progress)
-    print(f"Workspace ready: {ws.root}\n  config: {ws.config_path}\n  open it: eagle3-console -w {ws.root}")
+    print(f"Workspace ready in {time.monotonic() - started:.0f} s: {ws.root}\n  config: {ws.config_path}\n"
+          f"  open it: eagle3-console -w {ws.root}")
     if not args.demo:
         print("  next: set model.path and dataset.path in console.toml, then `eagle3-console check`")
     return 0
@@ -460,7 +487,7 @@ def cmd_console(args) -> int:
             raise WorkspaceError(f"{root} is not a workspace (no console.toml). "
                                  f"Create one with `eagle3-console init {root}` (add --demo for the demo).")
         print(f"No workspace here: creating the demo workspace {root} "
-              "(tiny local model, about a minute and a half)…",
+              "(tiny local model, about 2 minutes on 2 CPU cores)…",
               flush=True)
         init_workspace(root, demo=True, progress=lambda text: print(f"  {text}", flush=True))
     from engine.config import validate_against_model

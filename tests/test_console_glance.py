@@ -263,3 +263,17 @@ async def test_jobs_pane_lists_jobs_tails_logs_searches_and_stops(tmp_path):
     finally:
         if engine.jobs.get(running.id).active:
             engine.jobs.stop_sync(running.id, grace=2)
+
+
+def test_readme_key_list_matches_the_key_table():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Keys"):readme.index("## Commands")]
+    for key in KEYS:
+        if key.action.startswith("show_tab"):
+            continue
+        assert f"`{key.shown_key}`" in section, key.shown_key
+        assert key.help in section, key.help
+    for stale in ("`x`", "`T`", "`K`", "`X`", "`l`"):
+        assert stale not in section, stale
