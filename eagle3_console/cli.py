@@ -450,6 +450,12 @@ def cmd_status(args) -> int:
           + (f", {srv['gen_throughput']:.1f} tok/s" if srv.get("gen_throughput") is not None else "")
           + (f"; its port {ws.config.server.port} is held by {srv['port_owner']}, not by this workspace's server"
              if srv.get("port_owner") else ""))
+    if srv.get("drift"):  # started before console.toml changed (engine.server.drift)
+        from engine.server.drift import RESTART_FIX
+
+        print("server settings differ from console.toml: " + "; ".join(
+            f"{d['setting']} (running {d['running']}, console.toml {d['wanted']})" for d in srv["drift"])
+            + f" — {RESTART_FIX}")
     print("jobs:" if data["jobs"] else "jobs: none")
     for j in data["jobs"]:
         print(f"  {job_line(j)}")

@@ -72,6 +72,7 @@ class Engine:
         self._server_phase: str | None = None  # "up" or "down", the last one seen
         self._stage_views: dict[str, tuple] = {}  # stage -> (state, note) last published
         self._named_owners: set[tuple] = set()  # (port, owner) of foreign listeners already named
+        self._drift_seen: tuple = ()  # the server's differences from console.toml last published
         self._owner_task: asyncio.Task | None = None
         self._closed = False
 
@@ -206,6 +207,9 @@ class Engine:
         if previous is not None and previous.state != status.state and status.state == "crashed":
             self.notify("error", f"server crashed (exit {status.exit_code}): {status.error}")
         self._emit(ServerUpdated(status=status))
+        drift = tuple(getattr(status, "drift", ()) or ())
+        if drift or status.state not in ("starting", "unhealthy"):  # a failed poll knows no better
+            self._on_drift(drift)
         phase = SERVER_PHASES.get(status.state)
         if phase == "down" and self._server_phase != "down":
             self._check_port_owner()
@@ -215,6 +219,26 @@ class Engine:
             if self._server_phase is not None and phase != self._server_phase:
                 self._recheck(SERVER_STAGES)
             self._server_phase = phase
+
+    def _on_drift(self, drift: tuple) -> None:
+        """The running server started differing from console.toml (or stopped differing): say it
+        once, and re-check the stages that describe it (their last results describe other settings)."""
+        if drift == self._drift_seen:
+            return
+        self._drift_seen = drift
+        if drift:
+            from engine.server.drift import RESTART_FIX, describe
+
+            blocking = any(d.blocking for d in drift)
+            self.notify("error" if blocking else "warning",
+                        f"the running server differs from console.toml: {describe(list(drift))}; {RESTART_FIX}")
+        self._recheck(SERVER_STAGES)
+
+    def server_drift(self) -> list:
+        """How the running server differs from console.toml on disk, one engine.server.drift.Difference
+        per setting (setting, running, wanted, blocking); [] when none runs or nothing differs. The fix
+        for any of them: restart_server()."""
+        return self.server.drift()
 
     def _check_port_owner(self) -> None:
         """Our server is down: if something else listens on its port, say whose port it is, once
@@ -354,6 +378,13 @@ class Engine:
     async def start_server(self, capture: bool = True):
         self._require_driver("start the server")
         status = await self.server.start(capture=capture)
+        self._on_server(status)
+        return status
+
+    async def restart_server(self, capture: bool | None = None):
+        """Stop the server and start it from console.toml as it is now ("restart the server to apply")."""
+        self._require_driver("restart the server")
+        status = await self.server.restart(capture=capture)
         self._on_server(status)
         return status
 

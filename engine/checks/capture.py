@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.checks.base import CheckResult, failed, passed
 from engine.checks.context import CheckContext
-from engine.checks.server import START_FIX, probe_prompt_ids
+from engine.checks.server import START_FIX, probe_prompt_ids, settings_check
 
 
 def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server_next: int) -> list[CheckResult]:
@@ -78,6 +78,9 @@ async def check_capture(ctx: CheckContext) -> list[CheckResult]:
     status = await manager.poll()
     if status.state != "ready":
         return [failed("server", f"server {status.state}", START_FIX)]
+    # The probe below captures with the server's own settings: it says whether capture works, not
+    # whether it captures what console.toml describes (another spool, layers or model).
+    settings = [settings_check(list(status.drift))] if status.drift else []
     spool = Path(manager.record().get("spool_dir") or ctx.workspace.spool_dir)
     sent = await asyncio.to_thread(probe_prompt_ids, ctx.workspace)
     rid = f"probe-{uuid.uuid4().hex[:12]}"
@@ -85,11 +88,11 @@ async def check_capture(ctx: CheckContext) -> list[CheckResult]:
     try:
         result = await client.generate(input_ids=sent, max_new_tokens=1, temperature=0.0, rid=rid)
     except Exception as exc:
-        return [failed("request", f"probe request failed: {exc}", "see `eagle3-console server logs`")]
+        return settings + [failed("request", f"probe request failed: {exc}", "see `eagle3-console server logs`")]
     finally:
         await client.aclose()
     meta = result.meta
-    results: list[CheckResult] = []
+    results: list[CheckResult] = list(settings)
     cached = meta.get("cached_tokens")
     if cached != 0:
         results.append(failed("cached", f"cached_tokens = {cached}", "disable the radix cache (--disable-radix-cache)"))

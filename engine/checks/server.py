@@ -22,6 +22,20 @@ def probe_prompt_ids(workspace) -> list[int]:
     return [int(i) for i in ids]
 
 
+def settings_check(differences: list) -> CheckResult:
+    """The running server against console.toml (engine.server.drift): red when captures made now
+    would not be what console.toml describes, amber when only its address differs."""
+    from engine.server.drift import RESTART_FIX, describe
+
+    if not differences:
+        return passed("settings", "the running server was started with what console.toml asks for now "
+                                  "(model, address, capture layers, spool, launch flags)")
+    evidence = f"the running server differs from console.toml: {describe(differences)}"
+    if any(d.blocking for d in differences):
+        return failed("settings", evidence + " (captures now would not be what console.toml describes)", RESTART_FIX)
+    return warned("settings", evidence + " (the engine still reaches it where it runs)", RESTART_FIX)
+
+
 async def check_server(ctx: CheckContext) -> list[CheckResult]:
     import asyncio
 
@@ -43,6 +57,7 @@ async def check_server(ctx: CheckContext) -> list[CheckResult]:
             return results + [failed("health", f"/health_generate failed: {exc}", "see `eagle3-console server logs`")]
         results.append(passed("health", f"/health_generate OK in {1000 * (time.perf_counter() - started):.0f} ms"))
         info = await client.server_info()
+        results.append(settings_check(await asyncio.to_thread(manager.drift, info)))
         if ctx.config.model.backend == "sglang":
             from engine.checks.sglang import check_sglang_server_info
 

@@ -54,12 +54,15 @@ class ServerStatus:
     error: str = ""
     log_tail: tuple[str, ...] = ()
     at: float = field(default_factory=time.time)
+    # How the running server differs from console.toml now (engine.server.drift.Difference).
+    drift: tuple = ()
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
 
         data = asdict(self)
         data["log_tail"] = list(self.log_tail)
+        data["drift"] = [d.to_dict() for d in self.drift]
         return data
 
 
@@ -153,6 +156,13 @@ class ServerManager:
     def spec(self, capture: bool = True) -> LaunchSpec:
         return build_spec(self.workspace, capture=capture)
 
+    def drift(self, info: dict[str, Any] | None = None) -> list:
+        """How the running server differs from console.toml on disk (engine.server.drift); [] when
+        none runs. Remembered until console.toml, the record or the job changes."""
+        from engine.server.drift import remembered_drift
+
+        return remembered_drift(self, info)
+
     def client(self, url: str | None = None):
         from engine.client import ServerClient
 
@@ -166,22 +176,65 @@ class ServerManager:
         if current is not None and current.state in ACTIVE:
             return await self.poll()
         from engine.config import ConfigError
+        from engine.server.drift import api_key_fingerprint
 
         try:
+            # console.toml as it is now, not as it was when this process first read it: a restart
+            # is how an edit reaches the server (engine.server.drift).
+            if self.workspace.config_path.is_file():
+                self.workspace.reload()
             spec = self.spec(capture=capture)
         except ConfigError as exc:  # refused before anything starts: the target cannot be planned or captured
             raise ServerStartError(str(exc)) from None
         busy = port_in_use(spec.host, spec.port)
         if busy:
             raise ServerStartError(f"{busy}: stop whatever holds it, or set server.port to a free port")
+        spools = self._earlier_spools(spec)
         # JobManager.start waits (briefly, blocking) for the supervisor: keep it off the event loop.
         job = await asyncio.to_thread(self.jobs.start, "server", spec.argv, env=spec.env, cwd=self.workspace.root)
         self._write_record(job_id=job.id, url=spec.url, backend=spec.backend, desired="running",
                            capture=spec.capture, spool_dir=spec.spool_dir, capture_layers=list(spec.capture_layers),
                            argv=spec.redacted_argv(), env=spec.redacted_env_set(), started_at=time.time(),
+                           api_key_sha256=api_key_fingerprint(self.workspace.config.server.api_key),
+                           earlier_spools=spools,
                            restarts=self.record().get("restarts", 0) if restarts is None else restarts)
+        if spools:
+            await asyncio.to_thread(self._sweep_earlier_spools, spools, spec.spool_dir)
         await self.wait_ready(job.id, spec.url, timeout or self.workspace.config.server.startup_timeout_s)
         return await self.poll()
+
+    def _earlier_spools(self, spec: LaunchSpec) -> list[str]:
+        """The spools earlier servers of this workspace captured into, other than the new one's."""
+        from engine.server.spool import HISTORY
+
+        rec = self.record()
+        found = [s for s in [rec.get("spool_dir"), *(rec.get("earlier_spools") or [])] if isinstance(s, str) and s]
+        keep = spec.spool_dir if spec.capture else None
+        out: list[str] = []
+        for spool in found:
+            if spool != keep and spool not in out:
+                out.append(spool)
+        return out[:HISTORY]
+
+    def _sweep_earlier_spools(self, spools: list[str], keep: str) -> None:
+        """The old server is gone: its spools hold only what nobody will collect (except a live
+        extraction's own captures, which it releases itself)."""
+        from engine.server.spool import sweep_earlier_spools
+
+        try:
+            swept = sweep_earlier_spools(self.workspace, spools, keep=keep)
+        except OSError:
+            return
+        if swept.folders:
+            self._write_record(last_sweep={"at": time.time(), "spools": spools, "folders": swept.folders,
+                                           "files": swept.files, "bytes": swept.bytes})
+
+    async def restart(self, capture: bool | None = None, timeout: float | None = None) -> ServerStatus:
+        """Stop the server and start it again from console.toml as it is now (applies an edit)."""
+        if capture is None:
+            capture = bool(self.record().get("capture", True))
+        await self.stop()
+        return await self.start(capture=capture, timeout=timeout)
 
     async def wait_ready(self, job_id: str, url: str, timeout: float) -> None:
         await wait_until_ready(self.jobs, job_id, self.client(url), timeout)
@@ -232,11 +285,13 @@ class ServerManager:
             info = await self._server_info(client, job) if reuse_client else await client.server_info()
             metrics = await client.metrics()
         except Exception as exc:
+            base["drift"] = tuple(await asyncio.to_thread(self.drift))
             return ServerStatus(state="starting" if (base["uptime_s"] or 0) < 5 else "unhealthy", error=str(exc)[:300],
                                 log_tail=tuple(self.jobs.tail(job.id, 10)), **base)
         finally:
             if not reuse_client:
                 await client.aclose()
+        base["drift"] = tuple(await asyncio.to_thread(self.drift, info))
         return ServerStatus(
             state="ready", model=str(info.get("model_path", "")), capture=_capture_info(info),
             flags=server_flags(info),
