@@ -12,7 +12,7 @@ START_FIX = "start the extraction: `eagle3-console run extract` or `x` on the Ex
 
 
 def check_extract(ctx: CheckContext) -> list[CheckResult]:
-    from engine.extract.job import COMPLETE
+    from engine.extract.job import BAD_FIX, COMPLETE, bad_summary
     from engine.extract.verify import check_run
     from engine.jobs import JobManager
     from engine.records import RecordError, read_run_meta
@@ -34,8 +34,12 @@ def check_extract(ctx: CheckContext) -> list[CheckResult]:
         complete = json.loads((run_dir / COMPLETE).read_text())
     except (OSError, ValueError):
         complete = None
-    bad = _bad_count(run_dir)
+    bad_entries = [(i, r) for i, r in _bad_entries(run_dir) if i not in check.good]  # a resume may have redone some
+    bad = len(bad_entries)
     covered = len(check.good)
+    too_many = None if active else bad_summary(bad_entries, planned, covered)
+    if too_many:  # first: the row names it (a run that "succeeded" with nothing is a failure)
+        results.append(failed("bad", too_many, BAD_FIX))
     if active:
         results.append(failed("coverage", f"extraction running (job {active[0].id}): {covered}/{planned} samples",
                               "wait for the job to finish"))
@@ -53,14 +57,25 @@ def check_extract(ctx: CheckContext) -> list[CheckResult]:
                               "resume the extraction: damaged records are detected and redone"))
     else:
         results.append(passed("verify", f"{check.checked} records checked, {check.deep_checked} re-hashed: all intact"))
-    if bad:
+    if bad and not too_many:
         results.append(warned("bad", f"{bad} sample(s) failed after retries (see bad.jsonl)",
                               "inspect bad.jsonl; resuming retries them"))
     return results
 
 
-def _bad_count(run_dir) -> int:
+def _bad_entries(run_dir) -> list[tuple[str, str]]:
+    """(id, reason) of every line of bad.jsonl."""
     try:
-        return sum(1 for line in (run_dir / "bad.jsonl").read_text().splitlines() if line.strip())
+        lines = (run_dir / "bad.jsonl").read_text().splitlines()
     except OSError:
-        return 0
+        return []
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            out.append((str(row.get("id")), str(row.get("reason", ""))))
+        except (ValueError, AttributeError):
+            out.append(("?", "unreadable line in bad.jsonl"))
+    return out

@@ -41,6 +41,37 @@ PAUSE_FILE = "pause.requested"
 SPOOL_SESSIONS = "spool_sessions.txt"  # rid tags of every session of this run, one a line
 RUN_LOCK = ".extract.lock"  # flock held by the one extraction writing this run
 _RID = re.compile(r"^x\d+-([0-9a-f]{6})-a\d+$")
+# An extraction fails (exit non-zero, `extract` red) when no sample is good, or when more than this
+# fraction of its planned samples is bad: a run that "succeeds" with nothing is how a server
+# capturing somewhere else went unnoticed (issue 20, item 4). Reached mid-run, it stops there.
+MAX_BAD_FRACTION = 0.10
+
+
+class ExtractionFailed(Exception):
+    """The run ended without usable data: too many bad samples (the message names counts and cause)."""
+
+
+def bad_summary(bad: dict[str, str] | list[tuple[str, str]], planned: int, good: int) -> str | None:
+    """Why a run with these bad samples fails, in one line (counts and the commonest cause); None
+    when it does not (some good sample and bad <= MAX_BAD_FRACTION of the planned ones)."""
+    from collections import Counter
+
+    items = list(bad.items()) if isinstance(bad, dict) else list(bad)
+    count = len(items)
+    if not count or planned <= 0:
+        return None
+    too_many = count > MAX_BAD_FRACTION * planned
+    if good > 0 and not too_many:
+        return None
+    causes = Counter(re.sub(r"x\d+-[0-9a-f]{6}-a\d+", "<rid>", reason) for _, reason in items)
+    cause, times = causes.most_common(1)[0]
+    head = "no good sample: " if good == 0 else ""
+    return (f"{head}{count} of {planned} samples bad ({count / planned:.0%}; at most {MAX_BAD_FRACTION:.0%} may be), "
+            f"{good} good; commonest cause ({times}x): {cause}")
+
+
+BAD_FIX = ("find the cause in bad.jsonl (a server capturing into another spool, with other layers or another "
+           "model: check the server stage), fix it, then start the extraction again: it retries the bad samples")
 
 
 class SampleFailed(Exception):
@@ -76,6 +107,7 @@ class Extractor:
         self.tag = secrets.token_hex(3)  # rids unique per session: stale segments never collide
         self.bad: dict[str, str] = {}
         self._restart_lock = asyncio.Lock()
+        self.failure: str | None = None  # set once too many samples are bad: the run stops there
         self.progress: Progress | None = None
         self._writes: ThreadPoolExecutor | None = None  # every write into the run dir goes through it
 
@@ -88,7 +120,7 @@ class Extractor:
 
     @property
     def stopping(self) -> bool:
-        return bool(self.ctx is not None and self.ctx.stop_requested)
+        return bool(self.failure is not None or (self.ctx is not None and self.ctx.stop_requested))
 
     # -- setup
     def _target(self):
@@ -121,6 +153,63 @@ class Extractor:
         primary = ServerManager(self.ws).record().get("url") or f"http://{self.cfg.server.host}:{self.cfg.server.port}"
         return [primary] + [u for u in self.cfg.extract.endpoints if u != primary]
 
+    async def _check_server(self) -> None:
+        """Refuse to start against a server that captures what console.toml does not describe
+        (started before console.toml changed: another spool, layers or model, or no capture):
+        every sample would come out bad. One that only moved (server.port) is used where it runs,
+        and said so."""
+        from engine.client import ServerClient
+        from engine.config import ConfigError
+        from engine.server.drift import RESTART_FIX, describe, drift, reported_drift, wanted_spec
+        from engine.server.manager import ACTIVE, ServerManager
+
+        manager = ServerManager(self.ws)
+        record = manager.record()
+        job = manager.job()
+        ours = job is not None and job.state in ACTIVE
+        try:
+            spec, _ = wanted_spec(self.ws.root, capture=True)
+        except ConfigError:
+            spec = None
+        found: list = []
+        for url in self._endpoints():
+            client = ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=5)
+            try:
+                info = await client.server_info()
+            except Exception:  # noqa: BLE001 - not up (yet), or not answering: the outage handling waits
+                info = None
+            finally:
+                await client.aclose()
+            if ours and url == record.get("url"):
+                if not record.get("capture", True):
+                    found.append(("the server", ("capture: the server runs without capture, console.toml's "
+                                                 "extraction needs it on")))
+                found += [("the server", d) for d in await asyncio.to_thread(drift, manager, info)]
+            elif info is not None and spec is not None:
+                found += [(url, d) for d in reported_drift(info, spec)]
+
+        def say(where: str, d) -> str:
+            if isinstance(d, str):
+                return d
+            if where == "the server":
+                return d.describe()
+            return f"{d.setting}: the server at {where} runs with {d.running}, console.toml says {d.wanted}"
+
+        blocking = [(where, d) for where, d in found if isinstance(d, str) or d.blocking]
+        if blocking:
+            named = "; ".join(say(where, d) for where, d in blocking)
+            raise ExtractionRefused(f"the running server differs from console.toml: {named}. Every capture would "
+                                    f"be missing or not what console.toml describes: {RESTART_FIX}, then start "
+                                    "the extraction again")
+        moved = [d for _, d in found if not isinstance(d, str)]
+        if moved:
+            url = record.get("url", "")
+            message = (f"the running server differs from console.toml: {describe(moved)}; extracting from {url}, "
+                       f"where it runs (started before console.toml changed): {RESTART_FIX}")
+            self.event("server_drift", message=message, url=url, differences=[d.to_dict() for d in moved])
+            if self.ctx is not None:
+                print(f"extraction: note: {message}", flush=True)
+
     def _lock_run(self) -> None:
         """One writer per run: two extractions appending to one manifest would duplicate records,
         and only with the lock held are temp files certainly a dead writer's."""
@@ -152,15 +241,35 @@ class Extractor:
         except FileNotFoundError:
             return 0
         removed = 0
-        if not tags or not self.spool.is_dir():
+        if not tags:
             return 0
-        for entry in self.spool.iterdir():
-            match = _RID.match(entry.name)
-            if match and match.group(1) in tags:
+        if self.spool.is_dir():
+            for entry in self.spool.iterdir():
+                match = _RID.match(entry.name)
+                if match and match.group(1) in tags:
+                    try:
+                        removed += release(self.spool, entry.name)
+                    except (SegmentError, OSError):
+                        pass  # not ours after all, or vanishing: leave it
+        return removed + self._release_earlier_spools(tags)
+
+    def _release_earlier_spools(self, tags: set[str]) -> int:
+        """The same, in the spools earlier servers of this workspace captured into (the server
+        record remembers them): a session against a server started before extract.spool_dir
+        changed left its captures there."""
+        from engine.server.manager import ServerManager
+        from engine.server.spool import sweep
+
+        record = ServerManager(self.ws).record()
+        spools = {s for s in [record.get("spool_dir"), *(record.get("earlier_spools") or [])]
+                  if isinstance(s, str) and s}
+        removed = 0
+        for spool in spools:
+            if Path(spool).resolve() != self.spool.resolve():
                 try:
-                    removed += release(self.spool, entry.name)
-                except (SegmentError, OSError):
-                    pass  # not ours after all, or vanishing: leave it
+                    removed += sweep(Path(spool), tags).files
+                except OSError:
+                    pass
         return removed
 
     # -- disk
@@ -287,6 +396,10 @@ class Extractor:
                     self.progress.bad = len(self.bad)
                     await self._in_writer(write_bad, self.run_dir, dict(self.bad))
                     self.event("bad_sample", id=sample.id, reason=str(exc))
+                    if self.failure is None and len(self.bad) > MAX_BAD_FRACTION * self.progress.total:
+                        # Decided: the run cannot end under the limit. Stop instead of grinding on.
+                        good = self.progress.done
+                        self.failure = bad_summary(self.bad, self.progress.total, good)
                     return
                 self.event("retry", id=sample.id, attempt=attempt, reason=str(exc))
                 continue
@@ -324,6 +437,7 @@ class Extractor:
     async def run(self) -> int:
         target = self._target()
         layers = list(target.capture_layers)
+        await self._check_server()
         self.event("planning", dataset=self.cfg.dataset.path)
         plan = await asyncio.to_thread(build_plan, self.ws, self.limit)
         if not plan.samples:
@@ -357,6 +471,8 @@ class Extractor:
             self.event("resume_repair", problems=check.problems[:20], redo=len(check.problems))
         done_ids = {e.id for e in good}
         todo = [s for s in plan.samples if s.id not in done_ids]
+        if (self.run_dir / "bad.jsonl").exists():  # every bad sample of an earlier session is retried now
+            await self._in_writer(write_bad, self.run_dir, {})
         per_token = bytes_per_token(hidden)
         needed = sum(len(s.input_ids) for s in todo) * per_token + 512 * len(todo)
         budget = require_fit(self.run_dir, needed, int(self.cfg.extract.disk_reserve_gb * GIB))
@@ -396,10 +512,15 @@ class Extractor:
             await asyncio.gather(*workers, return_exceptions=True)
             writes, self._writes = self._writes, None
             await asyncio.to_thread(writes.shutdown, True)
+            if self.bad:  # the writer threads may have finished their bad.jsonl snapshots out of order
+                await asyncio.to_thread(write_bad, self.run_dir, dict(self.bad))
             reporter.cancel()
             for _, client in clients:
                 await client.aclose()
         self._emit_progress()
+        if self.failure is not None:
+            left = self.progress.total - self.progress.done - len(self.bad)
+            raise ExtractionFailed(f"{self.failure}; stopped with {left} sample(s) not attempted. {BAD_FIX}")
         if self.stopping:
             self.event("stopped", done=self.progress.done, total=self.progress.total)
             return 0
@@ -416,6 +537,9 @@ class Extractor:
         if missing:
             self.event("incomplete", missing=missing[:20], count=len(missing))
             return 3
+        failure = bad_summary(self.bad, len(plan.samples), len(covered))
+        if failure is not None:  # no complete.json: the run did not give what it was for
+            raise ExtractionFailed(f"{failure}. {BAD_FIX}")
         vocab = target.vocab_size
         counts = torch.zeros(vocab, dtype=torch.int64)
         for s in plan.samples:
@@ -463,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         ws = Workspace(args.workspace)
         limit_torch_threads(ws.config.extract.concurrency)
         return asyncio.run(Extractor(ws, ctx, args.limit).run())
-    except (ConfigError, ExtractionRefused, RecordError) as exc:
+    except (ConfigError, ExtractionRefused, ExtractionFailed, RecordError) as exc:
         if ctx is not None:
             ctx.event("error", message=str(exc))
         print(f"extraction: error: {exc}", flush=True)
