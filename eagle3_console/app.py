@@ -70,7 +70,6 @@ class ConsoleApp(JobActions, App[int]):
     Screen { layout: vertical; }
     #tabs.-hidden { display: none; }
     Tab { color: $foreground 75%; }  /* Textual's 50 % is 3.1:1 on the light theme */
-    ToastRack { display: none; }  /* messages go to the header line: a toast never hides content */
     """
     BINDINGS = bindings()  # eagle3_console.keys: the one key table
     MESSAGE_S = {"information": 5.0, "warning": 10.0, "error": 15.0}
@@ -410,6 +409,10 @@ class ConsoleApp(JobActions, App[int]):
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen(read_only=self.engine.read_only))
+
+    def _refresh_notifications(self) -> None:
+        """Notifications are kept (Textual's list: the palette, tests) but never drawn as toasts over
+        the panes; the header line shows each one (`notify`)."""
 
     def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
                markup: bool = True) -> None:

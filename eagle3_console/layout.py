@@ -46,6 +46,8 @@ class PaneDeck(Container):
         grid-rows: auto 1fr 1fr;
     }
     PaneDeck.-wide > .pane-top { height: auto; max-height: 24; }
+    PaneDeck.-wide #server-log { height: auto; max-height: 6; }
+    PaneDeck.-wide #extract-scroll { height: auto; max-height: 20; }
     PaneDeck.-wide > #pane-pipeline { row-span: 2; }
     PaneDeck.-wide > #pane-evaluation { column-span: 2; }
     """

@@ -169,7 +169,8 @@ def strip_markup(state: StripState, width: int) -> str:
     """One line of markup that fits `width` cells (0: no limit)."""
     parts = [("server", _server_parts(state)), ("stages", _stage_parts(state)), ("job", _job_parts(state)),
              ("warning", _warning_parts(state)), ("gpu", _gpu_parts(state))]
-    parts = [(name, forms) for name, forms in parts if forms]
+    # Every part gets three forms (its shortest repeated), so level 3, and only level 3, drops it.
+    parts = [(name, (forms + [forms[-1]] * 3)[:3]) for name, forms in parts if forms]
     level = {name: 0 for name, _f in parts}
 
     def line() -> str:

@@ -182,13 +182,14 @@ class ServerPane(Pane):
         self.query_one("#server-spark", Sparkline).data = data
         peak = max(data)
         set_markup(self.query_one("#server-spark-label", Static),
-                   f"generated tok/s, last {len(self.throughput)} poll{'' if len(self.throughput) == 1 else 's'} · 0 to peak {peak:.0f}")
+                   f"tok/s, last {len(self.throughput)} poll{'' if len(self.throughput) == 1 else 's'}, 0-{peak:.0f}")
         tail = status.log_tail or (self.failure[1] if self.failure else ())
         self._render_log(tail)
 
     def _render_log(self, tail) -> None:
         log = self.query_one("#server-log", Static)
-        rows = max(1, log.size.height or 6)
+        sized_by_content = log.styles.height is not None and log.styles.height.is_auto  # the wide grid's top row
+        rows = 6 if sized_by_content else max(1, log.size.height or 6)
         width = max(20, log.size.width or 76)
         lines = [esc(clip(line.rstrip(), width)) for line in list(tail)[-rows:]]
         self.query_one("#server-log-title", Static).display = bool(lines)
