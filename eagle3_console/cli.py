@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run stages headless", parents=[common])
     p.add_argument("stages", nargs="+", metavar="STAGE|all")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="start a stage's job even when its prerequisite stages are red")
 
     p = sub.add_parser("status", help="what runs, where it stands", parents=[common])
     p.add_argument("--json", action="store_true")
@@ -173,7 +175,7 @@ async def _check(ws, names: list[str]):
         if engine.read_only:
             print(f"note: {engine.lock_holder.describe() if engine.lock_holder else 'another console'} drives this "
                   "workspace; results are printed, not recorded", file=sys.stderr)
-        return await engine.pipeline.run(names)
+        return await engine.run_checks(names)  # as the stages stand now: a running job reads running
     finally:
         await engine.close()
 
@@ -205,15 +207,16 @@ def cmd_run(args) -> int:
     lock = WorkspaceLock(ws.root)
     if not lock.acquire():
         return _fail(f"{lock.holder_text('another console')} drives this workspace: run stages there")
-    return asyncio.run(_run_stages(ws, names))
+    return asyncio.run(_run_stages(ws, names, force=args.force))
 
 
-async def _run_stages(ws, names: list[str]) -> int:
+async def _run_stages(ws, names: list[str], force: bool = False) -> int:
     from engine.checks.context import CheckContext
     from engine.jobs import JobManager
     from engine.pipeline import Pipeline, get_stage
     from engine.server.manager import ServerManager, ServerStartError
-    from engine.stagejobs import STARTERS
+    from engine.pipeline import last_failure
+    from engine.stagejobs import PREREQUISITES, STARTERS, red_prerequisites
 
     pipeline = Pipeline(CheckContext(ws))
     jobs = JobManager(ws.jobs_dir)
@@ -230,6 +233,12 @@ async def _run_stages(ws, names: list[str]) -> int:
             except ServerStartError as exc:
                 return _fail(str(exc), 1)
         elif name in STARTERS:
+            reds = red_prerequisites(name, [pipeline.view(n, jobs.list()) for n in PREREQUISITES.get(name, ())])
+            if reds and not force:
+                named = "; ".join(f"{r.stage} ({last_failure(r) or r.state.value})" for r in reds)
+                return _fail(f"not starting {name}: its prerequisite stage(s) are red: {named}. Fix them first "
+                             f"(eagle3-console check {' '.join(r.stage for r in reds)}), run them in the same "
+                             f"command (eagle3-console run {' '.join(r.stage for r in reds)} {name}), or pass --force")
             job = STARTERS[name](ws, jobs)
             print(f"{name}: job {job.id} (detached; Ctrl-C stops watching, not the job)", flush=True)
             await _follow(jobs, job.id)

@@ -3,6 +3,7 @@ refusals (no id, an unsafe or unknown id, a console driving the workspace)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -125,3 +126,27 @@ def test_stopping_the_server_job_goes_through_the_server_manager(tiny_chat_model
         assert manager.record().get("desired") == "stopped"
     finally:
         asyncio.run(manager.stop(grace=5))
+
+
+def test_check_shows_a_running_job_and_run_refuses_red_prerequisites(tmp_path):
+    """Headless, as in the console: a stage whose job runs reads running (not failed), and
+    `run extract` does not start a job while a prerequisite stage is red; --force does."""
+    ws = make_workspace(tmp_path, **{"model.path": str(tmp_path / "no-such-model")})
+    cli = [sys.executable, "-m", "eagle3_console"]
+    jobs = JobManager(ws.jobs_dir)
+    job = jobs.start("extract", [sys.executable, "-c", GRACEFUL_JOB])
+    try:
+        _wait_for(lambda: jobs.get(job.id).state == "running", "the job to run")
+        checked = subprocess.run([*cli, "check", "extract", "-w", str(ws.root)], capture_output=True, text=True,
+                                 timeout=120)
+        assert "extract   running" in checked.stdout and job.id in checked.stdout, checked.stdout
+        assert "failed" not in checked.stdout.splitlines()[0]
+    finally:
+        asyncio.run(jobs.stop(job.id, grace=10))
+
+    assert subprocess.run([*cli, "check", "model", "-w", str(ws.root)], capture_output=True, timeout=120).returncode
+    refused = subprocess.run([*cli, "run", "extract", "-w", str(ws.root)], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode != 0 and "not starting extract" in refused.stderr and "model (" in refused.stderr
+    assert "no-such-model" in refused.stderr and "--force" in refused.stderr and "Traceback" not in refused.stderr
+    assert [j.id for j in jobs.list() if j.kind == "extract"] == [job.id]  # nothing new was started
