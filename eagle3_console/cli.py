@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from eagle3_console.cli_jobs import add_jobs_parser, cmd_jobs
+from eagle3_console.fmt import finite
 from eagle3_console.tabs import TAB_IDS
 from engine.config import ConfigError
 from engine.workspace import WorkspaceError
@@ -285,8 +286,8 @@ def _progress_line(event: dict) -> str:
     extra = []
     if event.get("tokens_per_s") is not None:
         extra.append(f"{event['tokens_per_s']:.0f} tok/s")
-    if event.get("eta_s") is not None:
-        extra.append(f"ETA {int(event['eta_s'])}s")
+    if (eta := finite(event.get("eta_s"))) is not None:
+        extra.append(f"ETA {int(eta)}s")
     if event.get("paused"):
         extra.append(f"PAUSED: {event['paused']}")
     return f"  {bar} {done}/{total} " + " ".join(extra)
@@ -427,8 +428,8 @@ def _progress_text(progress: dict | None) -> str:
     if "done" in progress:
         parts.append(f"{progress['done']}/{progress.get('total', '?')}"
                      + (f" ({progress['percent']:.0f}%)" if "percent" in progress else ""))
-    if progress.get("eta_s") is not None and not progress.get("last_event"):
-        parts.append(f"ETA {int(progress['eta_s'])}s")
+    if (eta := finite(progress.get("eta_s"))) is not None and not progress.get("last_event"):
+        parts.append(f"ETA {int(eta)}s")
     if progress.get("paused"):
         parts.append(f"PAUSED: {progress['paused']}")
     if progress.get("message"):

@@ -150,3 +150,13 @@ def test_check_shows_a_running_job_and_run_refuses_red_prerequisites(tmp_path):
     assert refused.returncode != 0 and "not starting extract" in refused.stderr and "model (" in refused.stderr
     assert "no-such-model" in refused.stderr and "--force" in refused.stderr and "Traceback" not in refused.stderr
     assert [j.id for j in jobs.list() if j.kind == "extract"] == [job.id]  # nothing new was started
+
+
+def test_progress_lines_take_non_finite_numbers():
+    """A diverged job's events carry NaN/Infinity (as numbers from older files, as text now)."""
+    from eagle3_console.cli import _progress_line
+
+    for eta in (float("nan"), float("inf"), "NaN", "Infinity", None):
+        line = _progress_line({"done": 3, "total": 8, "eta_s": eta, "tokens_per_s": 10.0})
+        assert "3/8" in line and "ETA" not in line
+    assert "ETA 12s" in _progress_line({"done": 3, "total": 8, "eta_s": 12.4})
