@@ -346,6 +346,7 @@ class ConsoleApp(JobActions, App[int]):
                                if j.kind != "server"]
         strip.refresh_strip()
         self.query_one(JobsPane).post_message(JobsChanged(message.jobs))
+        self.query_one(GpuPane).post_message(JobsChanged(message.jobs))
         for pane in (ExtractionPane, TrainingPane, EvaluationPane):
             self.query_one(pane).post_message(JobsChanged(message.jobs))
         evaluate = next((j for j in message.jobs if j.kind == "evaluate"), None)

@@ -48,6 +48,7 @@ class PaneDeck(Container):
     PaneDeck.-wide > .pane-top { height: auto; max-height: 24; }
     PaneDeck.-wide #server-log { height: auto; max-height: 6; }
     PaneDeck.-wide #extract-scroll { height: auto; max-height: 20; }
+    PaneDeck.-wide #gpu-scroll { height: auto; max-height: 22; }
     PaneDeck.-wide > #pane-pipeline { row-span: 2; }
     PaneDeck.-wide > #pane-evaluation { column-span: 2; }
     """
@@ -88,6 +89,8 @@ class PaneDeck(Container):
             pane.set_class(pane.id.removeprefix("pane-") in TOP_ROW, "pane-top")
         if self.layout_name == "wide":
             wanted = ["gpus", "server", "extraction", "pipeline", "training", "jobs", "evaluation"]
+        elif self.layout_name == "split":  # Pipeline on the left
+            wanted = ["pipeline", "gpus", "server", "extraction", "training", "evaluation", "jobs"]
         else:
             wanted = ["gpus", "server", "pipeline", "extraction", "training", "evaluation", "jobs"]
         panes = {p.id.removeprefix("pane-"): p for p in self._panes()}

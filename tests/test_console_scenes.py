@@ -29,8 +29,26 @@ T0 = 1_767_225_600.0  # fixed wall clock for every event (2026-01-01)
 SHOWN_ROOT = Path("/srv/eagle3/ws-demo")  # the header shows this instead of the temp dir
 
 
-def gpu_snapshot(n: int = 8, step: int = 0, available: bool = True) -> GpuSnapshot:
-    """`n` H200s with fixed, varied figures (`step` shifts utilisation for the sparklines)."""
+# pid -> parent pid of the scene's GPU processes: SGLang TP workers under the server job (4242), two
+# trainer ranks under torchrun (the train job, 4300), and someone else's process (no job above it).
+SCENE_PARENTS = {5001: 4242, 5002: 4242, 5003: 4242, 5004: 4242, 6001: 4300, 6002: 4300, 9999: 1}
+
+
+def scene_processes(i: int) -> tuple:
+    from engine.gpu import GpuProcess
+
+    if i < 4:
+        return (GpuProcess(5001 + i, "sglang::scheduler_TP" + str(i), 96 * GIB),)
+    if i < 6:
+        return (GpuProcess(6001 + i - 4, "python", 18 * GIB),)
+    if i == 7:
+        return (GpuProcess(9999, "jupyter-kernel", 40 * GIB),)
+    return ()
+
+
+def gpu_snapshot(n: int = 8, step: int = 0, available: bool = True, processes: bool = False) -> GpuSnapshot:
+    """`n` H200s with fixed, varied figures (`step` shifts utilisation for the sparklines); with
+    `processes`, the GPU processes of SCENE_PARENTS."""
     if not available:
         return GpuSnapshot(False, "NVML unavailable: libnvidia-ml.so.1 not found (no NVIDIA driver on this host)",
                            None, None, (), "unknown", T0)
@@ -39,7 +57,7 @@ def gpu_snapshot(n: int = 8, step: int = 0, available: bool = True) -> GpuSnapsh
                   utilization_gpu=(17 * i + 23 * step) % 101, utilization_memory=30,
                   memory_used=int((20 + 13 * i) * GIB), memory_total=141 * GIB, temperature_c=48 + 5 * i,
                   power_w=180.0 + 55 * i, power_limit_w=700.0, sm_clock_mhz=1980 - 10 * i, max_sm_clock_mhz=1980,
-                  pcie_gen=5, pcie_width=16)
+                  pcie_gen=5, pcie_width=16, processes=scene_processes(i) if processes else ())
         for i in range(n))
     return GpuSnapshot(True, "", "570.124.06", "12.8", gpus, "NVLink (18 links/GPU)", T0)
 
@@ -53,8 +71,8 @@ def disks(full: bool = False) -> tuple[DiskUsage, ...]:
     )
 
 
-def job(job_id: str, kind: str, state: str, exit_code: int | None = None) -> JobInfo:
-    return JobInfo(id=job_id, kind=kind, argv=("python", "-m", f"engine.{kind}"), state=state, pid=4100,
+def job(job_id: str, kind: str, state: str, exit_code: int | None = None, pid: int = 4100) -> JobInfo:
+    return JobInfo(id=job_id, kind=kind, argv=("python", "-m", f"engine.{kind}"), state=state, pid=pid,
                    create_time=T0, exit_code=exit_code, started_at=T0, ended_at=None,
                    last_log_lines=tuple(job_log(job_id, state)[-5:]), dir=Path("/nonexistent") / job_id)
 
@@ -210,8 +228,11 @@ async def apply_scene(app: ConsoleApp, pilot, scene: str, tab: str | None = None
         emit(DiskUpdated(disks()))
         emit(JobsUpdated(()))
     else:
+        from eagle3_console.panes import GpuPane
+
+        app.query_one(GpuPane).parent_of = SCENE_PARENTS.get
         for step in range(12):
-            emit(GpuUpdated(gpu_snapshot(step=step)))
+            emit(GpuUpdated(gpu_snapshot(step=step, processes=True)))
         emit(DiskUpdated(disks(full=scene == "running")))
         emit(ServerUpdated(server_status("crashed" if scene == "failed" else "ready")))
         phase = {"running": "paused", "failed": "failed", "done": "done"}[scene]
@@ -219,8 +240,10 @@ async def apply_scene(app: ConsoleApp, pilot, scene: str, tab: str | None = None
         train_state = {"running": "running", "failed": "failed", "done": "succeeded"}[scene]
         codes = {"running": None, "failed": 1, "succeeded": 0}
         SCENE_STATES.update({"train-20260101-0002": train_state, "extract-20260101-0001": ext_state})
-        jobs = (job("train-20260101-0002", "train", train_state, codes[train_state]),
-                job("extract-20260101-0001", "extract", ext_state, codes[ext_state]))
+        jobs = (job("train-20260101-0002", "train", train_state, codes[train_state], pid=4300),
+                job("extract-20260101-0001", "extract", ext_state, codes[ext_state], pid=4100),
+                job("server-20260101-0000", "server", "running" if scene != "failed" else "failed",
+                    None if scene != "failed" else 1, pid=4242))
         emit(JobsUpdated(jobs))
         emit(JobEvents("extract-20260101-0001", "extract", extract_events(phase)))
         train_events = [{"type": "started", "t": T0, "total_steps": 400}]

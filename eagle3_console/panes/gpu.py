@@ -1,14 +1,21 @@
-"""GPU pane: one compact row per GPU, then the interconnect and the NCCL environment."""
+"""GPU pane: one compact row per GPU, the processes on them attributed to this workspace's server,
+trainer and evaluation (eagle3_console.gpuprocs), then the interconnect and the NCCL environment."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
+from textual import work
 from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.message import Message
 from textual.widgets import Static
 
 from eagle3_console.fmt import finite
-from eagle3_console.messages import GpuChanged
+from eagle3_console.keys import scroll_bindings
+from eagle3_console.gpuprocs import attribute, process_lines, psutil_parent
+from eagle3_console.messages import GpuChanged, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import bar, clip, esc, level_colour, set_markup
 
@@ -101,6 +108,20 @@ def nccl_lines(preset: str, disable_nvls: bool, suggested: str | None) -> list[s
     return lines
 
 
+class GpuScroll(VerticalScroll):
+    BINDINGS = scroll_bindings()
+    DEFAULT_CSS = "GpuScroll { height: 1fr; } GpuScroll:focus { background-tint: $foreground 5%; }"
+
+
+class GpuProcessesRead(Message, bubble=False):
+    def __init__(self, rows: list) -> None:
+        super().__init__()
+        self.rows = rows
+
+
+PROCESS_REFRESH_S = 2.0  # attribution walks /proc: not on every 1 Hz sample
+
+
 class GpuPane(Pane):
     """GPUs (NVML), interconnect and NCCL settings; shows why when NVML is unavailable."""
 
@@ -109,6 +130,7 @@ class GpuPane(Pane):
     DEFAULT_CSS = """
     GpuPane #gpu-table { height: auto; }
     GpuPane #gpu-status { height: auto; margin-bottom: 1; }
+    GpuPane #gpu-procs { height: auto; margin-bottom: 1; }
     GpuPane #gpu-nccl { height: auto; }
     """
 
@@ -119,11 +141,17 @@ class GpuPane(Pane):
         self.snapshot = None
         self.history: dict[int, deque] = {}  # GPU index -> recent utilisation percentages
         self._nccl_cache: tuple | None = None
+        self.jobs: tuple = ()
+        self.process_rows: list | None = None  # None: not attributed yet
+        self.parent_of = psutil_parent  # pid -> parent pid (tests inject one)
+        self._procs_read_at = 0.0
 
     def compose(self) -> ComposeResult:
-        yield Static("[$text-muted]sampling GPUs…[/]", id="gpu-status")
-        yield Static("", id="gpu-table")
-        yield Static("", id="gpu-nccl")
+        with GpuScroll(id="gpu-scroll"):  # 8 GPUs and their processes overflow 80x24: Tab, then j/k
+            yield Static("[$text-muted]sampling GPUs…[/]", id="gpu-status")
+            yield Static("", id="gpu-table")
+            yield Static("", id="gpu-procs")
+            yield Static("", id="gpu-nccl")
 
     def on_mount(self) -> None:
         self._render_snapshot()
@@ -137,7 +165,29 @@ class GpuPane(Pane):
 
     def on_gpu_changed(self, message: GpuChanged) -> None:
         self.snapshot = message.snapshot
+        if time.monotonic() - self._procs_read_at >= PROCESS_REFRESH_S:
+            self.read_processes()
         if self.render_when_shown():  # hidden behind another tab: render when shown
+            self._render_snapshot()
+
+    def on_jobs_changed(self, message: JobsChanged) -> None:
+        self.jobs = tuple(message.jobs)
+        self.read_processes()
+
+    def read_processes(self) -> None:
+        """Attribute the GPU processes to our jobs in a worker (it reads /proc)."""
+        if self.snapshot is None or not self.snapshot.available:
+            return
+        self._procs_read_at = time.monotonic()
+        self._attribute(self.snapshot, self.jobs)
+
+    @work(thread=True, group="gpu-procs", exclusive=True, exit_on_error=False)
+    def _attribute(self, snapshot, jobs) -> None:
+        self.post_message(GpuProcessesRead(attribute(snapshot, jobs, self.parent_of)))
+
+    def on_gpu_processes_read(self, message: GpuProcessesRead) -> None:
+        self.process_rows = message.rows
+        if self.render_when_shown():
             self._render_snapshot()
 
     def on_resize(self) -> None:
@@ -176,6 +226,11 @@ class GpuPane(Pane):
             table.display = True
             width = max(40, self.content_region.width or 78)
             set_markup(table, "\n".join(gpu_rows(snap, width, self.history)))
+        procs = self.query_one("#gpu-procs", Static)
+        procs.display = snap is not None and snap.available and self.process_rows is not None
+        if procs.display:
+            width = max(40, self.content_region.width or 78)
+            set_markup(procs, "\n".join(process_lines(self.process_rows, width)))
         lines = self._nccl_lines(suggested)
         if snap is not None and not snap.available:
             lines.insert(0, "interconnect [$text-muted]unknown (no NVML)[/]")
