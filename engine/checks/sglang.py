@@ -8,7 +8,6 @@ flags and shows the capture layers in both numberings.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from engine import nccl
@@ -94,24 +93,10 @@ def check_sglang_model(ctx: CheckContext) -> list[CheckResult]:
     return results
 
 
-def _hook_layers(info: dict[str, Any]) -> tuple[list[int] | None, list[int] | None]:
-    from engine.sglang.launch import HOOK_FACTORY
-
-    hooks = info.get("forward_hooks")
-    if isinstance(hooks, str):
-        try:
-            hooks = json.loads(hooks)
-        except ValueError:
-            hooks = None
-    for spec in hooks or []:
-        if isinstance(spec, dict) and spec.get("hook_factory") == HOOK_FACTORY:
-            config = spec.get("config") or {}
-            return config.get("layers"), config.get("layers_sglang")
-    return None, None
-
-
 def check_sglang_server_info(info: dict[str, Any], ctx: CheckContext) -> list[CheckResult]:
     """Radix cache off, no speculative algorithm, metrics on, aux capture + our hook loaded."""
+    from engine.sglang.launch import hook_layers
+
     problems = []
     if info.get("disable_radix_cache") is not True:
         problems.append("radix cache is ON (cached prefixes are never recomputed, so never captured)")
@@ -123,7 +108,7 @@ def check_sglang_server_info(info: dict[str, Any], ctx: CheckContext) -> list[Ch
         problems.append("mixed chunks are on (decode rows inside prefill batches)")
     if info.get("enable_return_aux_hidden_states") is not True:
         problems.append("SGLang's aux capture is off (--enable-return-aux-hidden-states)")
-    layers, layers_sglang = _hook_layers(info)
+    layers, layers_sglang = hook_layers(info)
     if layers is None:
         problems.append("the eagle3-console capture hook is not in --forward-hooks")
     evidence = (f"SGLang {info.get('version')}: disable_radix_cache={info.get('disable_radix_cache')}, "

@@ -126,9 +126,9 @@ def _running_capture(record: dict, info: dict | None) -> tuple[str | None, str |
             spool = capture.get("spool_dir") or spool
             layers = capture.get("layers") if capture.get("layers") is not None else layers
         elif info.get("forward_hooks"):
-            from engine.checks.sglang import _hook_layers
+            from engine.sglang.launch import hook_layers
 
-            hooked, _ = _hook_layers(info)
+            hooked, _ = hook_layers(info)
             layers = hooked if hooked is not None else layers
     return (_path(spool) if spool else None), (_layers(layers) if layers is not None else None)
 

@@ -427,9 +427,9 @@ def _capture_info(info: dict[str, Any]) -> dict[str, Any]:
     if isinstance(info.get("capture"), dict):
         return dict(info["capture"])
     if info.get("forward_hooks"):
-        from engine.checks.sglang import _hook_layers
+        from engine.sglang.launch import hook_layers
 
-        layers, layers_sglang = _hook_layers(info)
+        layers, layers_sglang = hook_layers(info)
         if layers is not None:
             return {"enabled": True, "layers": layers, "layers_sglang": layers_sglang, "backend": "sglang hook"}
     return {}

@@ -185,3 +185,18 @@ def build_sglang_spec(workspace, capture: bool = True, port: int | None = None, 
         api_key=cfg.server.api_key or None, capture=bool(capture and layers), spool_dir=str(workspace.spool_dir),
         capture_layers=tuple(layers), notes=tuple(notes),
     )
+
+
+def hook_layers(info: dict) -> tuple[list[int] | None, list[int] | None]:
+    """(our layers, SGLang layers_to_capture) of the capture hook in a server's /server_info, if it runs one."""
+    hooks = info.get("forward_hooks")
+    if isinstance(hooks, str):
+        try:
+            hooks = json.loads(hooks)
+        except ValueError:
+            hooks = None
+    for spec in hooks or []:
+        if isinstance(spec, dict) and spec.get("hook_factory") == HOOK_FACTORY:
+            config = spec.get("config") or {}
+            return config.get("layers"), config.get("layers_sglang")
+    return None, None
