@@ -13,7 +13,14 @@ import sys
 from pathlib import Path
 
 from eagle3_console.cli_jobs import add_jobs_parser, cmd_jobs
-from eagle3_console.fmt import finite
+from eagle3_console.cliprint import (
+    fail,
+    job_dict,
+    job_line,
+    progress_line,
+    show_progress,
+    workspace_arg,
+)
 from eagle3_console.tabs import TAB_IDS
 from engine.config import ConfigError
 from engine.workspace import WorkspaceError
@@ -78,20 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(message: str, code: int = 2) -> int:
-    print(f"eagle3-console: error: {message}", file=sys.stderr)
-    return code
-
-
-def _workspace_arg(args) -> str | None:
-    return getattr(args, "workspace", None)
-
-
 def _open_workspace(args):
     from engine.config import validate_against_model
     from engine.workspace import Workspace, find_workspace
 
-    root, _ = find_workspace(_workspace_arg(args))
+    root, _ = find_workspace(workspace_arg(args))
     ws = Workspace(root)
     if not ws.exists():
         raise WorkspaceError(f"{root} is not a workspace (no console.toml). "
@@ -133,7 +131,7 @@ def cmd_init(args) -> int:
 
     refused = refuse_init_reason(Path(args.dir).resolve())
     if refused:
-        return _fail(refused)
+        return fail(refused)
     started = time.monotonic()
 
     print(f"Creating {'demo ' if args.demo else ''}workspace {Path(args.dir).resolve()}", flush=True)
@@ -186,7 +184,7 @@ def cmd_check(args) -> int:
     try:
         names = _stage_list(args.stages)
     except KeyError as exc:
-        return _fail(exc.args[0])
+        return fail(exc.args[0])
     reports = asyncio.run(_check(ws, names))
     if args.json:
         print(json.dumps({"workspace": str(ws.root), "stages": [r.to_dict() for r in reports],
@@ -204,19 +202,18 @@ def cmd_run(args) -> int:
     try:
         names = _stage_list(args.stages)
     except KeyError as exc:
-        return _fail(exc.args[0])
+        return fail(exc.args[0])
     lock = WorkspaceLock(ws.root)
     if not lock.acquire():
-        return _fail(f"{lock.holder_text('another console')} drives this workspace: run stages there")
+        return fail(f"{lock.holder_text('another console')} drives this workspace: run stages there")
     return asyncio.run(_run_stages(ws, names, force=args.force))
 
 
 async def _run_stages(ws, names: list[str], force: bool = False) -> int:
     from engine.checks.context import CheckContext
     from engine.jobs import JobManager
-    from engine.pipeline import Pipeline, get_stage
+    from engine.pipeline import Pipeline, get_stage, last_failure
     from engine.server.manager import ServerManager, ServerStartError
-    from engine.pipeline import last_failure
     from engine.stagejobs import PREREQUISITES, STARTERS, red_prerequisites
 
     pipeline = Pipeline(CheckContext(ws))
@@ -232,12 +229,12 @@ async def _run_stages(ws, names: list[str], force: bool = False) -> int:
             try:
                 await ServerManager(ws, jobs).start()
             except ServerStartError as exc:
-                return _fail(str(exc), 1)
+                return fail(str(exc), 1)
         elif name in STARTERS:
             reds = red_prerequisites(name, [pipeline.view(n, jobs.list()) for n in PREREQUISITES.get(name, ())])
             if reds and not force:
                 named = "; ".join(f"{r.stage} ({last_failure(r) or r.state.value})" for r in reds)
-                return _fail(f"not starting {name}: its prerequisite stage(s) are red: {named}. Fix them first "
+                return fail(f"not starting {name}: its prerequisite stage(s) are red: {named}. Fix them first "
                              f"(eagle3-console check {' '.join(r.stage for r in reds)}), run them in the same "
                              f"command (eagle3-console run {' '.join(r.stage for r in reds)} {name}), or pass --force")
             job = STARTERS[name](ws, jobs)
@@ -260,7 +257,7 @@ async def _follow(jobs, job_id: str) -> None:
         for event in events:
             kind = event.get("type")
             if kind == "progress":
-                last = _progress_line(event)
+                last = progress_line(event)
                 print("\r" + last, end="", flush=True)
             elif kind == "finished" and event.get("table"):
                 print(("\n" if last else "") + event["table"], flush=True)
@@ -279,20 +276,6 @@ async def _follow(jobs, job_id: str) -> None:
         await asyncio.sleep(0.5)
 
 
-def _progress_line(event: dict) -> str:
-    done, total = event.get("done") or 0, event.get("total") or 0
-    frac = done / total if total else 0.0
-    bar = "█" * int(30 * frac) + "░" * (30 - int(30 * frac))
-    extra = []
-    if event.get("tokens_per_s") is not None:
-        extra.append(f"{event['tokens_per_s']:.0f} tok/s")
-    if (eta := finite(event.get("eta_s"))) is not None:
-        extra.append(f"ETA {int(eta)}s")
-    if event.get("paused"):
-        extra.append(f"PAUSED: {event['paused']}")
-    return f"  {bar} {done}/{total} " + " ".join(extra)
-
-
 def status_data(ws) -> dict:
     from engine.core import Engine
 
@@ -305,7 +288,7 @@ def status_data(ws) -> dict:
             "workspace": str(ws.root),
             "driver": ws.lock.holder().describe() if ws.lock.holder() and _lock_held(ws) else None,
             "stages": [r.to_dict() for r in engine.reports()],
-            "jobs": [_job_dict(j, with_progress=_show_progress(j, jobs)) for j in jobs],
+            "jobs": [job_dict(j, with_progress=show_progress(j, jobs)) for j in jobs],
             "evaluation": _evaluation_summary(ws),
             "server": _server_dict(ws, asyncio.run(engine.server.poll())),
             "gpus": gpu.to_dict(),
@@ -335,65 +318,6 @@ def _lock_held(ws) -> bool:
     return True
 
 
-def _job_dict(job, with_progress: bool = False) -> dict:
-    data = {"id": job.id, "kind": job.kind, "state": job.state, "pid": job.pid, "exit_code": job.exit_code,
-            "started_at": job.started_at, "ended_at": job.ended_at, "reason": job.reason}
-    if with_progress:
-        data["progress"] = _last_progress(job)
-    return data
-
-
-def _show_progress(job, jobs) -> bool:
-    """Progress for running jobs and for the newest job of each kind (the one panes show)."""
-    newest = next((j for j in jobs if j.kind == job.kind), None)
-    return job.active or newest is job
-
-
-def _last_progress(job, tail_bytes: int = 65536) -> dict | None:
-    """The newest `progress` event (plus a pause or end, if newer) from the end of events.jsonl.
-
-    Reads only the file's last `tail_bytes`: events files of long runs are large.
-    """
-    path = Path(job.dir) / "events.jsonl"
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, 2)
-            size = handle.tell()
-            handle.seek(max(0, size - tail_bytes))
-            data = handle.read()
-    except OSError:
-        return None
-    progress, last = None, None
-    for line in data.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a torn first or last line
-        if not isinstance(event, dict):
-            continue
-        if event.get("type") == "progress":
-            progress = event
-        elif event.get("type") in ("paused", "resumed", "finished", "stopped", "error", "incomplete"):
-            last = event
-    if progress is None and last is None:
-        return None
-    out: dict = {}
-    if progress is not None:
-        for key in ("done", "total", "eta_s", "tokens_per_s", "paused", "loss", "acceptance_length"):
-            if progress.get(key) not in (None, ""):
-                out[key] = progress[key]
-        done, total = progress.get("done"), progress.get("total")
-        if isinstance(done, (int, float)) and isinstance(total, (int, float)) and total:
-            out["percent"] = round(100.0 * done / total, 1)
-    if last is not None:
-        out["last_event"] = last.get("type")
-        if last.get("type") == "paused":
-            out["paused"] = last.get("reason", "")
-        if last.get("message"):
-            out["message"] = last["message"]
-    return out
-
-
 def _evaluation_summary(ws) -> dict | None:
     """Overall figures of eval/<run>/report.json, or why there are none."""
     from engine.evaluate.report import ReportError, is_slower, read_report, verdict
@@ -412,29 +336,6 @@ def _evaluation_summary(ws) -> dict | None:
 def _disk_dict(d) -> dict:
     return {"label": d.label, "path": d.path, "mount": d.mount, "total": d.total, "used": d.used,
             "free": d.free, "reserve": d.reserve, "below_reserve": d.below_reserve}
-
-
-def job_line(job: dict) -> str:
-    """One job as `status` and `jobs list` print it: id, kind, state, exit code, progress."""
-    code = "" if job["exit_code"] is None else f" exit {job['exit_code']}"
-    reason = f" — {job['reason']}" if job.get("reason") else ""
-    return f"{job['id']:<32} {job['kind']:<10} {job['state']}{code}{reason}{_progress_text(job.get('progress'))}"
-
-
-def _progress_text(progress: dict | None) -> str:
-    if not progress:
-        return ""
-    parts = []
-    if "done" in progress:
-        parts.append(f"{progress['done']}/{progress.get('total', '?')}"
-                     + (f" ({progress['percent']:.0f}%)" if "percent" in progress else ""))
-    if (eta := finite(progress.get("eta_s"))) is not None and not progress.get("last_event"):
-        parts.append(f"ETA {int(eta)}s")
-    if progress.get("paused"):
-        parts.append(f"PAUSED: {progress['paused']}")
-    if progress.get("message"):
-        parts.append(str(progress["message"])[:80])
-    return ("  " + " · ".join(parts)) if parts else ""
 
 
 def cmd_status(args) -> int:
@@ -496,7 +397,7 @@ def cmd_status(args) -> int:
 def cmd_console(args) -> int:
     from engine.workspace import Workspace, find_workspace, init_workspace
 
-    root, is_default = find_workspace(_workspace_arg(args))
+    root, is_default = find_workspace(workspace_arg(args))
     ws = Workspace(root)
     if not ws.exists():
         if not is_default:
@@ -518,13 +419,13 @@ def cmd_screenshot(args) -> int:
     tabs = [t.strip() for t in args.tabs.split(",") if t.strip()]
     unknown = [t for t in tabs if t not in TAB_IDS]
     if unknown or not tabs:
-        return _fail(f"unknown tab {', '.join(unknown) or '(none)'}: choose from {', '.join(TAB_IDS)}")
+        return fail(f"unknown tab {', '.join(unknown) or '(none)'}: choose from {', '.join(TAB_IDS)}")
     try:
         cols, rows = (int(x) for x in args.size.lower().split("x"))
     except ValueError:
-        return _fail(f"--size {args.size!r} is not COLSxROWS, e.g. 160x50")
+        return fail(f"--size {args.size!r} is not COLSxROWS, e.g. 160x50")
     if not (40 <= cols <= 400 and 12 <= rows <= 200):
-        return _fail(f"--size {args.size} is out of range: use 40..400 columns and 12..200 rows")
+        return fail(f"--size {args.size} is out of range: use 40..400 columns and 12..200 rows")
     ws = _open_workspace(args)
     from eagle3_console.app import save_screenshots  # Textual is imported only here
 
@@ -561,7 +462,7 @@ def cmd_server(args) -> int:
 
         probe = WorkspaceLock(ws.root)
         if not probe.acquire():
-            return _fail(f"{probe.holder_text('another console')} drives this workspace: "
+            return fail(f"{probe.holder_text('another console')} drives this workspace: "
                          f"{args.action} the server from that console")
     try:
         if args.action == "start":
@@ -633,9 +534,9 @@ def cmd_data(args) -> int:
     try:
         return _data_list(ws, args) if args.data_action == "list" else _data_release(ws, args)
     except ReleaseError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     except OSError as exc:
-        return _fail(f"{exc.filename or 'the run'}: {exc.strerror or exc}; nothing more was deleted")
+        return fail(f"{exc.filename or 'the run'}: {exc.strerror or exc}; nothing more was deleted")
 
 
 def _data_list(ws, args) -> int:
@@ -673,7 +574,14 @@ def _ask(prompt: str) -> str | None:
 
 def _data_release(ws, args) -> int:
     from engine.disk import fmt_bytes
-    from engine.release import RELEASING, describe_run, in_use_reason, newer_verified_run, output_dir_of, release_run
+    from engine.release import (
+        RELEASING,
+        describe_run,
+        in_use_reason,
+        newer_verified_run,
+        output_dir_of,
+        release_run,
+    )
 
     name = args.run
     info = describe_run(output_dir_of(ws), name)
@@ -681,9 +589,9 @@ def _data_release(ws, args) -> int:
     print(f"  {info.records} records, {info.state}; releasing it frees {fmt_bytes(info.bytes)}")
     reason = in_use_reason(ws, name)
     if reason:
-        return _fail(f"not released: {reason}")
+        return fail(f"not released: {reason}")
     if args.confirm is not None and args.confirm != name:
-        return _fail(f"--confirm {args.confirm!r} does not match the run name {name!r}: nothing released")
+        return fail(f"--confirm {args.confirm!r} does not match the run name {name!r}: nothing released")
     newer = None
     if RELEASING.match(name) is None:
         print("  checking for a newer verified-complete run (re-hashing its records)…", flush=True)
@@ -724,9 +632,9 @@ def _data_export(ws, args) -> int:
     try:
         result = export_specforge(output_dir_of(ws), args.run, args.dir, progress=progress)
     except ExportError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     except OSError as exc:
-        return _fail(f"{exc.filename or args.dir}: {exc.strerror or exc}; nothing exported")
+        return fail(f"{exc.filename or args.dir}: {exc.strerror or exc}; nothing exported")
     print(f"exported run {result.run}: {result.files} records, {result.tokens} tokens, {fmt_bytes(result.bytes)} "
           f"to {result.dest} (SpecForge offline layout)")
     print(f"  train with SpecForge: data.hidden_states_path = {result.dest}; see "
@@ -745,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except (ConfigError, WorkspaceError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `eagle3-console status | head`

@@ -36,20 +36,27 @@ def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_jobs(args) -> int:
-    from eagle3_console.cli import _fail, _job_dict, _last_progress, _progress_text, _workspace_arg, job_line
+    from eagle3_console.cliprint import (
+        fail,
+        job_dict,
+        job_line,
+        last_progress,
+        progress_text,
+        workspace_arg,
+    )
     from engine.jobctx import JobRecordError
     from engine.jobs import JobError, JobManager
     from engine.names import UnsafeNameError
     from engine.workspace import Workspace, WorkspaceError, find_workspace
 
     # The config is not read: a job must be listable and stoppable even while console.toml is broken.
-    ws = Workspace(find_workspace(_workspace_arg(args))[0])
+    ws = Workspace(find_workspace(workspace_arg(args))[0])
     if not ws.exists():
         raise WorkspaceError(f"{ws.root} is not a workspace (no console.toml): pass -w DIR")
     jobs = JobManager(ws.jobs_dir)
     action = args.jobs_action or "list"
     if action == "list":
-        rows = [_job_dict(j, with_progress=True) for j in jobs.list()]
+        rows = [job_dict(j, with_progress=True) for j in jobs.list()]
         if args.json:
             print(json.dumps(rows, indent=2))
         else:
@@ -58,14 +65,14 @@ def cmd_jobs(args) -> int:
     try:
         info = jobs.get(args.job_id)
     except (JobError, JobRecordError, UnsafeNameError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     if action == "logs":
         print("\n".join(jobs.tail(info.id, max(1, args.lines))))
         return 0
     if action == "stacks":
         pids = jobs.dump_stacks(info.id)
         if not pids:
-            return _fail(f"job {info.id} is {info.state}, not running: `jobs logs {info.id}` shows how it ended")
+            return fail(f"job {info.id} is {info.state}, not running: `jobs logs {info.id}` shows how it ended")
         time.sleep(1.0)  # the dump is written by the job itself, between two of its bytecodes
         print(f"# stacks of job {info.id} (pids {', '.join(map(str, pids))}); it goes on running")
         print("\n".join(jobs.tail(info.id, max(1, args.lines))))
@@ -79,20 +86,20 @@ def cmd_jobs(args) -> int:
 
     probe = WorkspaceLock(ws.root)
     if not probe.acquire():
-        return _fail(f"{probe.holder_text('another console')} drives this workspace: "
+        return fail(f"{probe.holder_text('another console')} drives this workspace: "
                      "stop the job from that console (it asks first)")
     try:
         grace = args.grace if args.grace is not None else STOP_GRACE_S.get(info.kind, DEFAULT_GRACE_S)
         if grace < 0:
-            return _fail("--grace must be >= 0 seconds")
+            return fail("--grace must be >= 0 seconds")
         print(f"stopping {info.kind} job {info.id} (SIGTERM, SIGKILL after {grace:g} s)…", flush=True)
         started = time.monotonic()
         final = _stop(ws, jobs, info, grace)
     finally:
         probe.release()
-    progress = _last_progress(final)
+    progress = last_progress(final)
     print(f"job {final.id}: {final.state}" + ("" if final.exit_code is None else f", exit {final.exit_code}")
-          + f" after {time.monotonic() - started:.1f} s{_progress_text(progress)}")
+          + f" after {time.monotonic() - started:.1f} s{progress_text(progress)}")
     if final.state not in ("stopped", "succeeded"):
         for line in final.last_log_lines[-5:]:
             print(f"  | {line}", file=sys.stderr)

@@ -154,9 +154,9 @@ def test_check_shows_a_running_job_and_run_refuses_red_prerequisites(tmp_path):
 
 def test_progress_lines_take_non_finite_numbers():
     """A diverged job's events carry NaN/Infinity (as numbers from older files, as text now)."""
-    from eagle3_console.cli import _progress_line
+    from eagle3_console.cliprint import progress_line
 
     for eta in (float("nan"), float("inf"), "NaN", "Infinity", None):
-        line = _progress_line({"done": 3, "total": 8, "eta_s": eta, "tokens_per_s": 10.0})
+        line = progress_line({"done": 3, "total": 8, "eta_s": eta, "tokens_per_s": 10.0})
         assert "3/8" in line and "ETA" not in line
-    assert "ETA 12s" in _progress_line({"done": 3, "total": 8, "eta_s": 12.4})
+    assert "ETA 12s" in progress_line({"done": 3, "total": 8, "eta_s": 12.4})
