@@ -10,10 +10,7 @@ import json
 import sys
 import time
 
-# A stop lets the job finish its unit of work and checkpoint before SIGKILL, as the console's keys do.
-STOP_GRACE_S = {"extract": 60.0, "train": 120.0}
-DEFAULT_GRACE_S = 30.0
-
+from engine.stagejobs import DEFAULT_GRACE_S, STOP_GRACE_S, stop_grace  # noqa: F401 - the console's stop asks here
 
 def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("jobs", help="list the workspace's jobs, show a job's log, stop a job", parents=[common])
@@ -89,7 +86,7 @@ def cmd_jobs(args) -> int:
         return fail(f"{probe.holder_text('another console')} drives this workspace: "
                      "stop the job from that console (it asks first)")
     try:
-        grace = args.grace if args.grace is not None else STOP_GRACE_S.get(info.kind, DEFAULT_GRACE_S)
+        grace = args.grace if args.grace is not None else stop_grace(info.kind)
         if grace < 0:
             return fail("--grace must be >= 0 seconds")
         print(f"stopping {info.kind} job {info.id} (SIGTERM, SIGKILL after {grace:g} s)…", flush=True)

@@ -27,12 +27,12 @@ from engine.events import (
 )
 from engine.pipeline import Pipeline
 from engine.workspace import LockHolder, Workspace
+from engine.stagejobs import SERVER_USERS, STAGE_JOBS as JOB_STAGES
 
 log = logging.getLogger(__name__)
 Listener = Callable[[Event], None]
 SERVER_STAGES = ("server", "capture")  # the stages whose results describe the running server
 SERVER_PHASES = {"ready": "up", "stopped": "down", "crashed": "down"}  # starting/unhealthy: in between
-JOB_STAGES = ("extract", "train", "evaluate")  # stages whose job (same name as kind) makes their data
 
 
 class ReadOnlyError(Exception):
@@ -396,7 +396,7 @@ class Engine:
 
     def server_users(self) -> list:
         """Running jobs that need the server (stopping it would disrupt them)."""
-        return [j for j in self.running_jobs() if j.kind in ("extract", "regenerate", "evaluate")]
+        return [j for j in self.running_jobs() if j.kind in SERVER_USERS]
 
     async def start_stage_job(self, stage: str):
         from engine.stagejobs import STARTERS

@@ -18,6 +18,7 @@ from typing import Awaitable, Callable, Iterable, Union
 from engine import atomic
 from engine.checks.base import CheckResult, StageReport, StageState, failed, stage_state
 from engine.checks.context import CheckContext
+from engine.stagejobs import STAGE_JOBS
 
 CheckFn = Callable[[CheckContext], Union[list[CheckResult], Awaitable[list[CheckResult]]]]
 RESULTS_FILE = "checks.json"
@@ -103,7 +104,7 @@ STAGE_JOB_INPUTS: dict[str, tuple[str, ...]] = {
     "train": ("extract", "train"),
     "evaluate": ("train", "evaluate"),
 }
-RUNNING_JOB_STAGES = ("extract", "train", "evaluate")  # stages made by a job of the same kind
+RUNNING_JOB_STAGES = STAGE_JOBS  # stages made by a job of the same kind
 
 
 def _section_fingerprint(section) -> str:

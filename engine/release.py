@@ -22,12 +22,13 @@ from pathlib import Path
 
 from engine.names import UnsafeNameError, check_name
 from engine.records import RUN_META, RecordError, read_manifest, read_run_meta
+from engine.stagejobs import RECORD_READERS
 
 RUN_LOCK = ".extract.lock"  # engine.extract.job.RUN_LOCK, not imported for the same reason
 COMPLETE = "complete.json"  # engine.extract.job.COMPLETE (not imported: that module pulls asyncio job code)
 RELEASING = re.compile(r"^(?P<run>.+)\.releasing-[0-9a-f]{8}$")
 # Jobs that read the configured run's records.
-READER_KINDS = ("extract", "train", "evaluate")
+READER_KINDS = RECORD_READERS
 
 
 class ReleaseError(Exception):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 from engine import nccl
@@ -36,15 +37,39 @@ def start_evaluate(workspace, jobs):
     return jobs.start("evaluate", argv, env=_env(workspace), cwd=workspace.root)
 
 
-STARTERS: dict[str, Callable] = {"extract": start_extract, "train": start_train, "evaluate": start_evaluate}
+@dataclass(frozen=True)
+class JobKind:
+    """Everything the engine, CLI and console need to know about one kind of job."""
 
-# The stages each job needs green before it can do its work: extraction with no server waits at
-# 0 % forever, training without a verified extraction has nothing to read.
-PREREQUISITES: dict[str, tuple[str, ...]] = {
-    "extract": ("model", "dataset", "server", "capture", "disk"),
-    "train": ("model", "extract"),
-    "evaluate": ("model", "train"),  # it launches its own servers (the capture server must be down)
-}
+    name: str
+    start: Callable | None  # (workspace, jobs) -> JobInfo; None: started elsewhere (regenerate by its CLI)
+    stop_grace_s: float  # SIGTERM, then this long to checkpoint before SIGKILL
+    prerequisites: tuple[str, ...] = ()  # stages that must be green for its work to make sense
+    needs_server: bool = False  # stopping the capture server would disrupt it
+    reads_records: bool = False  # reads extraction records: a release of them waits for it
+
+
+# The one registry of jobs. A stage with a job has the job's name; adding one is an entry here plus
+# its module. Extraction with no server waits at 0 % forever; training without a verified
+# extraction has nothing to read; evaluation launches its own servers (ours must be stopped).
+JOB_KINDS: dict[str, JobKind] = {kind.name: kind for kind in (
+    JobKind("extract", start_extract, 60.0, ("model", "dataset", "server", "capture", "disk"),
+            needs_server=True, reads_records=True),
+    JobKind("train", start_train, 120.0, ("model", "extract"), reads_records=True),
+    JobKind("evaluate", start_evaluate, 30.0, ("model", "train"), needs_server=True, reads_records=True),
+    JobKind("regenerate", None, 30.0, needs_server=True),
+)}
+DEFAULT_GRACE_S = 30.0
+STAGE_JOBS = tuple(name for name, kind in JOB_KINDS.items() if kind.start is not None)
+STARTERS: dict[str, Callable] = {name: JOB_KINDS[name].start for name in STAGE_JOBS}
+PREREQUISITES: dict[str, tuple[str, ...]] = {name: JOB_KINDS[name].prerequisites for name in STAGE_JOBS}
+STOP_GRACE_S: dict[str, float] = {name: kind.stop_grace_s for name, kind in JOB_KINDS.items()}
+SERVER_USERS = frozenset(name for name, kind in JOB_KINDS.items() if kind.needs_server)
+RECORD_READERS = tuple(name for name, kind in JOB_KINDS.items() if kind.reads_records)
+
+
+def stop_grace(kind: str) -> float:
+    return STOP_GRACE_S.get(kind, DEFAULT_GRACE_S)
 
 
 def red_prerequisites(stage: str, reports) -> list:
