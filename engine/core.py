@@ -27,6 +27,7 @@ from engine.events import (
 )
 from engine.pipeline import Pipeline
 from engine.workspace import LockHolder, Workspace
+from engine.jobs import FINAL_STATES
 from engine.stagejobs import SERVER_USERS, STAGE_JOBS as JOB_STAGES
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ class Engine:
             if states != previous or not self.job_list:
                 for job in jobs:
                     old = previous.get(job.id)
-                    if old is not None and old != job.state and job.state in ("succeeded", "failed", "stopped", "lost"):
+                    if old is not None and old != job.state and job.state in FINAL_STATES:
                         level = {"succeeded": "information", "stopped": "warning"}.get(job.state, "error")
                         reason = f": {job.reason}" if job.reason else ""
                         self.notify(level, f"job {job.id} {job.state}{reason}")
@@ -428,7 +429,7 @@ class Engine:
             flag.unlink(missing_ok=True)
 
     def running_jobs(self) -> list:
-        return [j for j in self.job_list if j.state in ("starting", "running")]
+        return [j for j in self.job_list if j.active]
 
 
 def open_engine(root: Path | str, *, drive: bool = True) -> Engine:

@@ -11,6 +11,7 @@ lives; the manager again only once the supervisor is gone (lost, or SIGKILLed on
 from __future__ import annotations
 
 import asyncio
+import enum
 import os
 import re
 import secrets
@@ -41,8 +42,35 @@ from engine.jobctx import (
 from engine.names import check_name
 from engine.procinfo import is_same_process
 
-ACTIVE_STATES = frozenset({"starting", "running"})
-FINAL_STATES = frozenset({"succeeded", "failed", "stopped", "lost"})
+class JobState(str, enum.Enum):
+    """A job's state as job.json records it. Compares (and hashes) equal to its string."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    LOST = "lost"
+    UNKNOWN = "unknown"  # a record that names no state we know
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value: Any) -> "JobState":
+        try:
+            return cls(str(value))
+        except ValueError:
+            return cls.UNKNOWN
+
+
+ACTIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING})
+FINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.LOST})
 START_WAIT_S = 5.0
 POLL_S = 0.05
 # A job stuck in "starting" with no supervisor on record this long never got going.
@@ -66,7 +94,7 @@ class JobInfo:
     id: str
     kind: str
     argv: tuple[str, ...]
-    state: str
+    state: JobState
     pid: int | None
     create_time: float | None
     exit_code: int | None
@@ -87,7 +115,7 @@ class JobInfo:
     def reason(self) -> str | None:
         """Why a failed (or lost) job ended, in one line: the last error line of its log, else the
         supervisor's note, else the last line it printed; None for a job that did not fail."""
-        if self.state not in ("failed", "lost"):
+        if self.state not in (JobState.FAILED, JobState.LOST):
             return None
         return failure_reason(self.last_log_lines, self.note, self.exit_code)
 
@@ -97,7 +125,7 @@ class JobInfo:
             id=str(record.get("id") or job_dir.name),
             kind=str(record.get("kind", "")),
             argv=tuple(str(a) for a in record.get("argv") or ()),
-            state=str(record.get("state", "unknown")),
+            state=JobState.parse(record.get("state", "unknown")),
             pid=record.get("pid"),
             create_time=record.get("create_time"),
             exit_code=record.get("exit_code"),
@@ -218,7 +246,7 @@ class JobManager:
         # The record exists before any process does, so a crash here leaves a trace.
         update_record(
             job_dir,
-            id=job_id, kind=kind, argv=redact_argv(argv), cwd=str(work_dir), state="starting",
+            id=job_id, kind=kind, argv=redact_argv(argv), cwd=str(work_dir), state=JobState.STARTING.value,
             created_at=time.time(), pid=None, create_time=None, exit_code=None,
             started_at=None, ended_at=None, last_log_lines=[],
         )
@@ -241,7 +269,7 @@ class JobManager:
                 record = read_record(job_dir)  # it may have written just before exiting
                 if record.get("pid") is None and record.get("state") not in FINAL_STATES:
                     record = update_record(
-                        job_dir, state="failed", ended_at=time.time(),
+                        job_dir, state=JobState.FAILED.value, ended_at=time.time(),
                         note=f"supervisor exited with code {proc.returncode} before starting the job",
                         last_log_lines=tail_lines(job_dir / LOG_FILE, LAST_LOG_LINES),
                     )
@@ -279,7 +307,7 @@ class JobManager:
             return JobInfo.from_record(info.dir, record)
         if _supervisor_alive(record) or _child_alive(record):
             return JobInfo.from_record(info.dir, record)
-        if record.get("supervisor_pid") is None and record.get("state") == "starting":
+        if record.get("supervisor_pid") is None and record.get("state") == JobState.STARTING:
             if info.id in self._spawned or time.time() - (record.get("created_at") or 0) < STARTING_STALE_S:
                 return JobInfo.from_record(info.dir, record)  # supervisor still coming up
         # Check once more: the supervisor may have finished between our two reads.
@@ -287,7 +315,7 @@ class JobManager:
         if record.get("state") not in ACTIVE_STATES or record.get("ended_at") is not None:
             return JobInfo.from_record(info.dir, record)
         record = update_record(
-            info.dir, state="lost", note=LOST_NOTE,
+            info.dir, state=JobState.LOST.value, note=LOST_NOTE,
             last_log_lines=tail_lines(info.dir / LOG_FILE, LAST_LOG_LINES),
         )
         return JobInfo.from_record(info.dir, record)
@@ -406,7 +434,7 @@ class JobManager:
         record = read_record(job_dir)
         deadline = time.monotonic() + START_WAIT_S
         # A supervisor still coming up has no identity on record yet: wait for it.
-        while record.get("state") == "starting" and record.get("supervisor_pid") is None:
+        while record.get("state") == JobState.STARTING and record.get("supervisor_pid") is None:
             if time.monotonic() > deadline:
                 break
             yield POLL_S
@@ -434,7 +462,7 @@ class JobManager:
         record = read_record(job_dir)
         if record.get("ended_at") is None and record.get("state") in ACTIVE_STATES:
             update_record(
-                job_dir, state="stopped", ended_at=time.time(), stop_requested=True,
+                job_dir, state=JobState.STOPPED.value, ended_at=time.time(), stop_requested=True,
                 exit_code=-signal.SIGKILL if killed else None,
                 note="killed with SIGKILL" if killed else "supervisor was gone; exit status unknown",
                 last_log_lines=tail_lines(job_dir / LOG_FILE, LAST_LOG_LINES),

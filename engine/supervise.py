@@ -20,6 +20,7 @@ from types import FrameType
 import psutil
 
 from engine.jobctx import LAST_LOG_LINES, LOG_FILE, STOP_MARKER, read_record, tail_lines, update_record
+from engine.jobs import JobState
 from engine.procinfo import current_process_identity, process_start_ticks
 
 USAGE = "usage: python -m engine.supervise <jobdir> -- <argv...>"
@@ -76,7 +77,8 @@ class Supervisor:
         if (self.job_dir / STOP_MARKER).exists():
             # Stopped before we got going (the manager gave up waiting for us): do not start.
             self.stop_requested = True
-            self._finish(state="stopped", exit_code=None, note="stopped before the job started", **identity)
+            self._finish(state=JobState.STOPPED.value, exit_code=None, note="stopped before the job started",
+                         **identity)
             return 0
         try:
             with open(self.log_path, "ab") as log:
@@ -89,7 +91,7 @@ class Supervisor:
             note = f"could not start {self.argv[0]!r}: {exc}"
             with open(self.log_path, "a", encoding="utf-8") as log:
                 log.write(f"[supervisor] {note}\n")
-            self._finish(state="failed", exit_code=127, note=note, started_at=time.time(), **identity)
+            self._finish(state=JobState.FAILED.value, exit_code=127, note=note, started_at=time.time(), **identity)
             return 0
 
         child = self.child
@@ -98,7 +100,7 @@ class Supervisor:
             pid=child.pid,
             create_time=_raw_create_time(child.pid),
             start_ticks=process_start_ticks(child.pid),
-            state="running",
+            state=JobState.RUNNING.value,
             started_at=time.time(),
             **identity,
         )
@@ -112,9 +114,9 @@ class Supervisor:
         code = child.wait()
         self.stop_requested = self.stop_requested or (self.job_dir / STOP_MARKER).exists()
         if self.stop_requested:
-            state = "stopped"  # even on exit 0: a job that checkpointed on request did not finish
+            state = JobState.STOPPED.value  # even on exit 0: a job that checkpointed on request did not finish
         else:
-            state = "succeeded" if code == 0 else "failed"
+            state = (JobState.SUCCEEDED if code == 0 else JobState.FAILED).value
         self._finish(state=state, exit_code=code)
         return 0
 

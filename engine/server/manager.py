@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import atomic
-from engine.jobs import JobInfo, JobManager
+from engine.jobs import ACTIVE_STATES, JobInfo, JobManager
 from engine.server.local import build_spec
 from engine.server.spec import LaunchSpec
 
 STATE_FILE = "server.json"
-ACTIVE = ("starting", "running")
+ACTIVE = ACTIVE_STATES  # a server job's states while it lives
 INFO_REFRESH_S = 30.0  # the watcher re-reads /server_info this often (it is fixed per server process)
 
 
