@@ -365,6 +365,8 @@ class ConsoleApp(JobActions, App[int]):
         self.query_one(PaneDeck).set_layout(name)
         tabs = self.query_one("#tabs", Tabs)
         tabs.set_class(name == "wide", "-hidden")
+        # Below 70 columns the palette hint gives its room to the pane's keys (Ctrl+P still works).
+        self.query_one(ConsoleFooter).show_command_palette = width >= 70
         short = width < SHORT_TABS_BELOW
         for i, (tab, label) in enumerate(TABS, start=1):
             wanted = f"{i} {SHORT_LABELS[tab] if short else label}"

@@ -272,4 +272,8 @@ async def apply_scene(app: ConsoleApp, pilot, scene: str, tab: str | None = None
 
         app.query_one(PipelinePane).select_stage("disk")
     app.clear_notifications()
+    # The GPU process list and the job logs are read by thread workers: let them land before the frame.
+    await app.workers.wait_for_complete()
     await pilot.pause(0.1)
+    await app.workers.wait_for_complete()
+    await pilot.pause(0.05)

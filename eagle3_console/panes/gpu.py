@@ -114,9 +114,10 @@ class GpuScroll(VerticalScroll):
 
 
 class GpuProcessesRead(Message, bubble=False):
-    def __init__(self, rows: list) -> None:
+    def __init__(self, rows: list, seq: int) -> None:
         super().__init__()
         self.rows = rows
+        self.seq = seq  # an older read that finishes late is dropped
 
 
 PROCESS_REFRESH_S = 2.0  # attribution walks /proc: not on every 1 Hz sample
@@ -145,6 +146,7 @@ class GpuPane(Pane):
         self.process_rows: list | None = None  # None: not attributed yet
         self.parent_of = psutil_parent  # pid -> parent pid (tests inject one)
         self._procs_read_at = 0.0
+        self._procs_seq = 0
 
     def compose(self) -> ComposeResult:
         with GpuScroll(id="gpu-scroll"):  # 8 GPUs and their processes overflow 80x24: Tab, then j/k
@@ -179,13 +181,16 @@ class GpuPane(Pane):
         if self.snapshot is None or not self.snapshot.available:
             return
         self._procs_read_at = time.monotonic()
-        self._attribute(self.snapshot, self.jobs)
+        self._procs_seq += 1
+        self._attribute(self.snapshot, self.jobs, self._procs_seq)
 
-    @work(thread=True, group="gpu-procs", exclusive=True, exit_on_error=False)
-    def _attribute(self, snapshot, jobs) -> None:
-        self.post_message(GpuProcessesRead(attribute(snapshot, jobs, self.parent_of)))
+    @work(thread=True, group="gpu-procs", exit_on_error=False)
+    def _attribute(self, snapshot, jobs, seq: int) -> None:
+        self.post_message(GpuProcessesRead(attribute(snapshot, jobs, self.parent_of), seq))
 
     def on_gpu_processes_read(self, message: GpuProcessesRead) -> None:
+        if message.seq != self._procs_seq:
+            return  # a newer read (a newer job list) is on its way
         self.process_rows = message.rows
         if self.render_when_shown():
             self._render_snapshot()

@@ -33,6 +33,7 @@ from eagle3_console.fmt import finite, fmt_count, fmt_duration, fmt_num
 from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetricsRead
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import esc, set_markup
+from eagle3_console.strip import RateTracker
 from engine.jsonl import complete_objects
 
 METRICS_FILE = "metrics.jsonl"
@@ -122,6 +123,9 @@ class TrainingView:
     last_train: dict = field(default_factory=dict)
     last_eval: dict = field(default_factory=dict)
     rate_points: list[tuple[float, float]] = field(default_factory=list)  # (t, step) of train lines
+    # Steps per second smoothed over time (the status strip's RateTracker): the first lines of a run
+    # (compilation, warm-up) no longer set the ETA for the whole run.
+    tracker: RateTracker = field(default_factory=RateTracker)
     best_al: float | None = None
     best_step: int | None = None
     total_steps: int | None = None
@@ -151,6 +155,7 @@ class TrainingView:
             t = finite(record.get("t"))
             if t is not None:
                 self.rate_points = (self.rate_points + [(t, step)])[-20:]
+                self.tracker.update(step, None, t)
         if al is not None and (self.best_al is None or al > self.best_al):
             self.best_al, self.best_step = al, int(step)
 
@@ -162,6 +167,8 @@ class TrainingView:
 
     @property
     def steps_per_s(self) -> float | None:
+        if self.tracker.rate:
+            return self.tracker.rate
         if len(self.rate_points) < 2:
             return None
         (t0, s0), (t1, s1) = self.rate_points[0], self.rate_points[-1]
