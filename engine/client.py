@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from engine.errors import EngineError
 
 _EXCERPT = 200
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ BACKOFF_MAX_S = 30.0
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""})
 
 
-class ServerReplyError(Exception):
+class ServerReplyError(EngineError):
     """The server's reply was an error, or not what the API promises."""
 
     def __init__(self, message: str, status: int | None = None) -> None:

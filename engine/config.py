@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from engine.errors import EngineError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,7 +29,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 CONFIG_NAME = "console.toml"
 
 
-class ConfigError(Exception):
+class ConfigError(EngineError):
     """A configuration mistake, explained for the user (never shown as a traceback)."""
 
     def __init__(self, file: Path | str, key: str, problem: str, fix: str, value: Any = None):

@@ -29,6 +29,7 @@ from engine.pipeline import Pipeline
 from engine.workspace import LockHolder, Workspace
 from engine.jobs import FINAL_STATES
 from engine.stagejobs import SERVER_USERS, STAGE_JOBS as JOB_STAGES
+from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
 Listener = Callable[[Event], None]
@@ -36,7 +37,7 @@ SERVER_STAGES = ("server", "capture")  # the stages whose results describe the r
 SERVER_PHASES = {"ready": "up", "stopped": "down", "crashed": "down"}  # starting/unhealthy: in between
 
 
-class ReadOnlyError(Exception):
+class ReadOnlyError(EngineError):
     """A command that changes things was sent to a read-only (attached) engine."""
 
 

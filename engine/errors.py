@@ -1,6 +1,11 @@
-"""Exceptions as the one line a log, a reply or a pane has room for."""
+"""The engine's errors: one base, and an exception as the one line a log, a reply or a pane has room for."""
 
 from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises for a person to read: the message names the problem and
+    the fix. Catch it where anything the engine refuses should become a clear message, not a traceback."""
 
 
 def one_line(exc: BaseException) -> str:

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 from engine.atomic import append_line, write_json
 from engine.jsonfile import read_json_object
 from engine.jsonl import dumps_line
+from engine.errors import EngineError
 
 JOB_DIR_ENV = "EAGLE3_JOB_DIR"
 RECORD_FILE = "job.json"
@@ -38,7 +39,7 @@ STOP_MARKER = "stop.requested"
 LAST_LOG_LINES = 20
 
 
-class JobRecordError(RuntimeError):
+class JobRecordError(EngineError, RuntimeError):
     """job.json is missing or unreadable."""
 
 

@@ -41,6 +41,7 @@ from engine.jobctx import (
 )
 from engine.names import check_name
 from engine.procinfo import is_same_process
+from engine.errors import EngineError
 
 class JobState(str, enum.Enum):
     """A job's state as job.json records it. Compares (and hashes) equal to its string."""
@@ -81,7 +82,7 @@ LOST_NOTE = "supervisor vanished; exit status unknown"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
-class JobError(RuntimeError):
+class JobError(EngineError, RuntimeError):
     """A job request that cannot be carried out; the message says what to do."""
 
 

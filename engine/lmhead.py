@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from engine.errors import EngineError
 
 HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.lm_head.weight")
 EMBED_NAMES = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight", "embed_tokens.weight",
                "model.language_model.embed_tokens.weight")
 
 
-class LmHeadError(Exception):
+class LmHeadError(EngineError):
     pass
 
 

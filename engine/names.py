@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+from engine.errors import EngineError
 
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class UnsafeNameError(ValueError):
+class UnsafeNameError(EngineError, ValueError):
     pass
 
 

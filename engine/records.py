@@ -29,6 +29,7 @@ from typing import Any
 
 from engine import atomic
 from engine.names import check_name
+from engine.errors import EngineError
 
 GROUP_SIZE = 1000
 FORMAT_VERSION = 1
@@ -39,7 +40,7 @@ TOKEN_COUNTS = "token_counts.safetensors"
 KEYS = ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state")
 
 
-class RecordError(Exception):
+class RecordError(EngineError):
     """A record or manifest problem, explained."""
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from engine.names import UnsafeNameError, check_name
 from engine.records import RUN_META, RecordError, read_manifest, read_run_meta
 from engine.stagejobs import RECORD_READERS
+from engine.errors import EngineError
 
 RUN_LOCK = ".extract.lock"  # engine.extract.job.RUN_LOCK, not imported for the same reason
 COMPLETE = "complete.json"  # engine.extract.job.COMPLETE (not imported: that module pulls asyncio job code)
@@ -31,7 +32,7 @@ RELEASING = re.compile(r"^(?P<run>.+)\.releasing-[0-9a-f]{8}$")
 READER_KINDS = RECORD_READERS
 
 
-class ReleaseError(Exception):
+class ReleaseError(EngineError):
     """Why a run can't be described or released, with what to do instead."""
 
 

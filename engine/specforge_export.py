@@ -40,6 +40,7 @@ from typing import Callable
 
 from engine.names import UnsafeNameError, check_name
 from engine.records import RecordError, load_record, read_manifest, read_run_meta
+from engine.errors import EngineError
 
 FORMATS = ("specforge",)
 SPECFORGE_COMMIT = "a6b6b0230009d15ec2a97a57384e6f53f0f96946"  # the SpecForge source this layout was read from
@@ -50,7 +51,7 @@ RUN_LOCK = ".extract.lock"  # engine.extract.job.RUN_LOCK
 _FILE_OVERHEAD = 4096  # pickle/zip framing per .ckpt, generous
 
 
-class ExportError(Exception):
+class ExportError(EngineError):
     """Why a run can't be exported, with what to do instead."""
 
 

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.capture.layers import default_capture_layers, validate_layers
+from engine.errors import EngineError
 
 
-class TargetError(ValueError):
+class TargetError(EngineError, ValueError):
     """The target's config.json cannot be planned; the message names the problem and the fix."""
 
 

@@ -26,12 +26,13 @@ from engine.config import (
     render_config,
     resolve_path,
 )
+from engine.errors import EngineError
 
 LOCK_NAME = ".console.lock"
 DEFAULT_WORKSPACE = "eagle3-workspace"
 
 
-class WorkspaceError(Exception):
+class WorkspaceError(EngineError):
     """A workspace problem explained for the user."""
 
 

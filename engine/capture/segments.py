@@ -33,13 +33,14 @@ from safetensors.torch import load_file, save_file
 
 from engine.atomic import publish_via_path
 from engine.names import check_name
+from engine.errors import EngineError
 
 FORMAT_NAME = "eagle3-console/capture-segment"
 FORMAT_VERSION = "1"
 _SEGMENT_FILE = re.compile(r"^(\d{10})\.safetensors$")
 
 
-class SegmentError(ValueError):
+class SegmentError(EngineError, ValueError):
     """A segment is malformed, or the segments of one rid do not fit together."""
 
 

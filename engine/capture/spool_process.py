@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from engine.errors import one_line
+from engine.errors import EngineError, one_line
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
 DEFAULT_SLOTS = 3  # one being filled, one being written, one spare
 
 
-class SpoolProcessError(RuntimeError):
+class SpoolProcessError(EngineError, RuntimeError):
     """The writer process cannot take (more) batches; the message says why and what to do."""
 
 

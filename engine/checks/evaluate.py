@@ -7,7 +7,6 @@ measurement cannot tell). A report of another export or target is amber "stale".
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 from engine.disk import fmt_bytes
 from engine.names import is_safe_name
+from engine.errors import EngineError
 
 FORMATS = ("auto", "messages", "sharegpt")
 POLICIES = ("skip", "stop")
@@ -43,7 +44,7 @@ MAX_LINE_BYTES = 2 << 20
 _SKIP_CHUNK = 1 << 20  # reads through an over-long line
 
 
-class DatasetError(Exception):
+class DatasetError(EngineError):
     """The dataset cannot be read as a whole (missing file, mixed formats, stop on a bad line)."""
 
 

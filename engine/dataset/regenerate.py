@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from engine.atomic import append_line
 from engine.dataset.formats import DatasetReader
+from engine.errors import EngineError
 
 PROGRESS_EVERY_S = 1.0
 GIVE_UP_AFTER_CONSECUTIVE_FAILURES = 5
@@ -38,7 +39,7 @@ EXIT_ERROR = 1
 EXIT_INCOMPLETE = 3  # stopped, or some samples failed: run again with --resume
 
 
-class RegenerateError(Exception):
+class RegenerateError(EngineError):
     """A request that cannot be carried out; the message says what to do."""
 
 

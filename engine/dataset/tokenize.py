@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+from engine.errors import EngineError
 
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 # transformers logs "Token indices sequence length is longer than the specified maximum sequence
@@ -32,7 +33,7 @@ GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 _QUIET = {"verbose": False}
 
 
-class TokenizerError(Exception):
+class TokenizerError(EngineError):
     """The tokenizer or its chat template cannot be used; the message says how to fix it."""
 
 

@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.evaluate.fastllama import SDPA_GQA, FastLlama, rms_norm, try_fast_target
+from engine.errors import EngineError
 
 
-class BatchError(ValueError):
+class BatchError(EngineError, ValueError):
     pass
 
 

@@ -22,9 +22,10 @@ from engine.evaluate.report import (
     verdict_kind,
     write_report,
 )
+from engine.errors import EngineError
 
 
-class JobError(Exception):
+class JobError(EngineError):
     """Evaluation cannot run; the message names the cause and the fix."""
 
 

@@ -10,9 +10,10 @@ from typing import Callable
 
 from engine.evaluate.prompts import EvalPrompt
 from engine.evaluate.report import PromptResult, first_mismatch
+from engine.errors import EngineError
 
 
-class EvalError(Exception):
+class EvalError(EngineError):
     """Evaluation cannot run; the message names the cause and the fix."""
 
 

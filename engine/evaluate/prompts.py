@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from engine.errors import EngineError
 
 
-class PromptError(ValueError):
+class PromptError(EngineError, ValueError):
     """No usable prompts; the message names the setting to fix."""
 
 

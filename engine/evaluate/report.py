@@ -30,6 +30,7 @@ from typing import Any
 from engine import atomic
 from engine.evaluate import stats
 from engine.jsonfile import read_json_object
+from engine.errors import EngineError
 
 REPORT = "report.json"
 VERSION = 2
@@ -40,7 +41,7 @@ CONFIG = "config.json"
 MANIFEST = "manifest.json"  # = engine.train.export.MANIFEST (pinned by tests/test_evaluate.py)
 
 
-class ReportError(Exception):
+class ReportError(EngineError):
     """No usable report; the message says what to run."""
 
 

@@ -22,12 +22,13 @@ from typing import Any, Callable
 
 from engine.evaluate.prompts import EvalPrompt
 from engine.evaluate.report import PromptResult, first_mismatch
+from engine.errors import EngineError
 
 SPEC_FLAGS_WITH_VALUE = ("--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
                          "--speculative-eagle-topk", "--speculative-num-draft-tokens")
 
 
-class SglangEvalError(Exception):
+class SglangEvalError(EngineError):
     """The SGLang evaluation cannot run; the message names the cause and the fix."""
 
 

@@ -48,9 +48,10 @@ from engine.evaluate.fastllama import (
     try_fast_target,
 )
 from engine.train.model import Eagle3Drafter
+from engine.errors import EngineError
 
 
-class SpecDecodeError(ValueError):
+class SpecDecodeError(EngineError, ValueError):
     """Inputs that cannot be decoded (wrong layers, empty prompt); the message names the fix."""
 
 

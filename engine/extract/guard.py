@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.disk import fmt_bytes, usage_for
+from engine.errors import EngineError
 
 
-class ExtractionRefused(Exception):
+class ExtractionRefused(EngineError):
     """The extraction will not start; the message names the cause and the options."""
 
 

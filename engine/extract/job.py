@@ -34,6 +34,7 @@ from engine.records import (
     write_record,
     write_run_meta,
 )
+from engine.errors import EngineError
 
 GIB = 2**30
 COMPLETE = "complete.json"
@@ -47,7 +48,7 @@ _RID = re.compile(r"^x\d+-([0-9a-f]{6})-a\d+$")
 MAX_BAD_FRACTION = 0.10
 
 
-class ExtractionFailed(Exception):
+class ExtractionFailed(EngineError):
     """The run ended without usable data: too many bad samples (the message names counts and cause)."""
 
 

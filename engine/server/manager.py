@@ -18,13 +18,14 @@ from engine import atomic
 from engine.jobs import ACTIVE_STATES, JobInfo, JobManager
 from engine.server.local import build_spec
 from engine.server.spec import LaunchSpec
+from engine.errors import EngineError
 
 STATE_FILE = "server.json"
 ACTIVE = ACTIVE_STATES  # a server job's states while it lives
 INFO_REFRESH_S = 30.0  # the watcher re-reads /server_info this often (it is fixed per server process)
 
 
-class ServerStartError(Exception):
+class ServerStartError(EngineError):
     """The server could not start; the message names the cause and carries the log tail."""
 
     def __init__(self, message: str, log_tail: list[str] | None = None):

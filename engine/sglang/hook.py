@@ -38,6 +38,7 @@ import torch
 
 from engine.capture.segments import write_segment
 from engine.names import is_safe_name
+from engine.errors import EngineError
 
 logger = logging.getLogger("eagle3_console.capture_hook")
 
@@ -48,7 +49,7 @@ _GENERATED_RID = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex, what SGLang assig
 MAX_PENDING_BATCHES = 256  # beyond this the forward blocks rather than exhausting pinned memory
 
 
-class CaptureConfigError(RuntimeError):
+class CaptureConfigError(EngineError, RuntimeError):
     """The hook was loaded without the spool/layer settings the console puts in the environment."""
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import metadata
+from engine.errors import EngineError
 
 DISTRIBUTION = "sglang"
 
@@ -90,7 +91,7 @@ OLDER_REASON = ("releases before 0.5.23 have no --enable-return-aux-hidden-state
                 "receives aux hidden states with a speculative draft loaded, which breaks capture")
 
 
-class UnsupportedSglangError(RuntimeError):
+class UnsupportedSglangError(EngineError, RuntimeError):
     """SGLang is missing or its version has no profile; the message says what to install."""
 
 

@@ -21,6 +21,7 @@ import torch
 
 from engine import atomic
 from engine.records import _sha256, _sha256_file, all_finite
+from engine.errors import EngineError
 
 CKPT_DIR = "checkpoints"
 LATEST = "latest.json"
@@ -31,7 +32,7 @@ KEEP_LAST = 2
 TRAIN_LOCK = ".train.lock"  # flock held by the one training writing this drafter directory
 
 
-class CheckpointError(Exception):
+class CheckpointError(EngineError):
     """A checkpoint that must not be trained from (or saved): the message names the file and why."""
 
 

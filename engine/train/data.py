@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from engine.records import RecordEntry, RecordError, load_record, read_manifest, read_run_meta
+from engine.errors import EngineError
 
 
-class TrainDataError(ValueError):
+class TrainDataError(EngineError, ValueError):
     """The training inputs are unusable; the message names the problem and the fix."""
 
 

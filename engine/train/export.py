@@ -28,6 +28,7 @@ import torch
 from engine import atomic
 from engine.records import _sha256, _sha256_file, all_finite
 from engine.train.model import DraftConfig, Eagle3Drafter
+from engine.errors import EngineError
 
 EXPORT_DIR = "export"
 WEIGHTS = "model.safetensors"
@@ -37,7 +38,7 @@ ARCH = "LlamaForCausalLMEagle3"
 SIGN_FIX = "`eagle3-console run train` (it resumes from the last checkpoint and exports and signs again)"
 
 
-class ExportError(ValueError):
+class ExportError(EngineError, ValueError):
     pass
 
 

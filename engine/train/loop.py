@@ -31,6 +31,7 @@ from engine.train.data import RecordData, Teacher, TrainDataError
 from engine.train.loss import STAT_FIELDS, TTTModel, summarize
 from engine.train.model import DraftConfig, Eagle3Drafter
 from engine.train.vocab import build_vocab, draft_vocab_size, validate_vocab
+from engine.errors import EngineError
 
 METRICS = "metrics.jsonl"
 VOCAB = "vocab.safetensors"
@@ -40,7 +41,7 @@ VOCAB = "vocab.safetensors"
 NONFINITE_LIMIT = 3
 
 
-class TrainError(Exception):
+class TrainError(EngineError):
     """Training cannot start or continue; the message names the problem and the fix."""
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from engine.errors import EngineError
 
 
-class VocabError(ValueError):
+class VocabError(EngineError, ValueError):
     pass
 
 
