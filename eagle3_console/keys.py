@@ -96,7 +96,7 @@ def nav_bindings():
     from textual.binding import Binding
 
     return [Binding("j", "cursor_down", "Down", show=False), Binding("k", "cursor_up", "Up", show=False),
-            Binding("g", "scroll_home", "Top", show=False), Binding("G", "scroll_end", "Bottom", show=False)]
+            Binding("g", "scroll_top", "Top", show=False), Binding("G", "scroll_bottom", "Bottom", show=False)]
 
 
 def scroll_bindings():

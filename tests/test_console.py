@@ -386,6 +386,12 @@ async def test_pipeline_s_starts_only_stages_with_a_job_and_j_only_moves(ws):
         await pilot.press("k")
         await pilot.pause()
         assert pane.selected_stage == "disk"
+        await pilot.press("G")
+        await pilot.pause()
+        assert pane.selected_stage == "evaluate"
+        await pilot.press("g")
+        await pilot.pause()
+        assert pane.selected_stage == "gpus"
         assert not app.engine.jobs.list()
         titles = [c.title for c in app.get_system_commands(app.screen)]
         for wanted in ("Start the extract job", "Start the evaluate job", "Show Evaluation", "Show Jobs",

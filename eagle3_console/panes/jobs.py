@@ -101,6 +101,7 @@ class JobsPane(Pane):
         self.match_index = -1
         self._read_lock = threading.Lock()
         self._shown_columns: list[str] = []
+        self._progress_width: int | None = None
         self.clock: Callable[[], float] = time.time  # ages are measured against it (fixed in snapshots)
 
     def compose(self) -> ComposeResult:
@@ -163,8 +164,9 @@ class JobsPane(Pane):
         """Columns for the pane's width: the stage goes below 100 cells (the id names it), the reason
         takes what is left (the selected job's whole reason shows under the list)."""
         width = (self.content_region.width or 78) - 1
-        id_width = min(28, max([len(j.id) for j in self.jobs] or [20]))
-        cols = [("state", 10), ("job", id_width), ("progress", 12)]
+        id_width = min(32, max([len(j.id) for j in self.jobs] or [20]))
+        progress_width = max([len(progress_cell(self.progress.get(j.id), j.state)) for j in self.jobs] or [8])
+        cols = [("state", 10), ("job", id_width), ("progress", min(16, max(8, progress_width)))]
         for name, w, min_width in (("age", 6, 0), ("stage", 8, 110)):
             if width >= min_width and sum(c + 2 for _n, c in cols) + w + 2 <= width:
                 cols.insert(2 if name == "age" else 2, (name, w))
@@ -188,6 +190,7 @@ class JobsPane(Pane):
         row = table.cursor_row
         table.clear(columns=True)
         self._shown_columns = [name for name, _w in self._columns()]
+        self._progress_width = dict(self._columns()).get("progress")
         for name, width in self._columns():
             table.add_column(name, key=name, width=width)
         for job in self.jobs:
@@ -203,6 +206,10 @@ class JobsPane(Pane):
 
     def _update_cells(self) -> None:
         table = self.query_one(JobList)
+        widths = dict(self._columns())
+        if widths.get("progress") != self._progress_width:
+            self._rebuild()  # a longer progress figure: the column grows
+            return
         for job in self.jobs:
             try:
                 table.update_cell(job.id, "progress", progress_cell(self.progress.get(job.id), job.state))
