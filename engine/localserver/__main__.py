@@ -23,12 +23,13 @@ from engine.capture.layers import (
     to_sglang_numbering,
     validate_layers,
 )
+from engine.errors import EngineError
 
 EXIT_USAGE = 2
 API_KEY_ENV = "LOCALSERVER_API_KEY"
 
 
-class StartupError(Exception):
+class StartupError(EngineError):
     """A one-line, user-facing reason the server cannot start."""
 
 

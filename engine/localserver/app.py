@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import __version__
 from engine.capture.layers import to_sglang_numbering
+from engine.errors import EngineError
 from engine.localserver.model_runner import ModelRunner
 from engine.localserver.requests import HEALTH_CHECK_RID_PREFIX, DoneEvent, GenRequest, TokenEvent
 from engine.localserver.sampling import SamplingParams
@@ -57,7 +58,7 @@ class ServerSettings:
     api_key: str | None = None
 
 
-class BadRequest(Exception):
+class BadRequest(EngineError):
     pass
 
 

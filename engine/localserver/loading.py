@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import one_line
+from engine.errors import EngineError, one_line
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(EngineError):
     """The model directory cannot be served; str() is the reason (one line)."""
 
 
