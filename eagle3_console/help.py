@@ -27,7 +27,7 @@ class HelpScreen(ModalScreen[None]):
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
     HelpScreen > HelpScroll {
-        width: auto;
+        width: 100;
         max-width: 100%;
         height: auto;
         max-height: 100%;
@@ -35,7 +35,7 @@ class HelpScreen(ModalScreen[None]):
         background: $surface;
         padding: 0 1;
     }
-    HelpScreen Static { width: auto; }
+    HelpScreen Static { width: 100%; }  /* long lines wrap at 80 columns instead of being cut */
     """
 
     def __init__(self, read_only: bool = False) -> None:
