@@ -244,6 +244,7 @@ class ConsoleApp(JobActions, App[int]):
         elif isinstance(event, DiskUpdated):
             self.query_one(ExtractionPane).post_message(DiskChanged(event.usages))
             strip.state.below_reserve = [u.label for u in event.usages if u.below_reserve]
+            strip.state.disk_free = min((u.free for u in event.usages), default=None)
             strip.refresh_strip()
         elif isinstance(event, StageUpdated):
             self.query_one(PipelinePane).post_message(StageChanged(event.report))

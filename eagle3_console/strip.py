@@ -1,6 +1,7 @@
 """The status strip: one line under the header, at every size, that says how everything stands.
 
-    ● server ready sglang :30000 │ stages 6✔ 1✘ disk │ extract 42% 850/2000 ETA 12m03s │ PAUSED │ GPU 8× 45% 310/1128G
+    ● server ready sglang :30000 │ stages 6✔ 1✘ disk │ extract 42% 850/2000 ETA 12m03s │ PAUSED │ disk 1.2 TiB free
+    │ GPU 8× 45% 310/1128G  (one line)
 
 Each part has a long and a short form; the line first shortens the least important parts, then
 drops them, so it never wraps: warnings (PAUSED, BELOW RESERVE, restart the server to apply) go
@@ -93,6 +94,7 @@ class StripState:
     stages: dict = field(default_factory=dict)  # stage -> state value
     running: list = field(default_factory=list)  # JobProgress of running jobs, newest first
     below_reserve: list = field(default_factory=list)  # mount labels under their reserve
+    disk_free: int | None = None  # the least free space among the written filesystems (bytes)
     gpu: object | None = None  # engine.gpu.GpuSnapshot
     drift: list = field(default_factory=list)  # settings the running server differs from console.toml in
 
@@ -149,6 +151,15 @@ def _warning_parts(s: StripState) -> list[str]:
     return [f"[b $warning]{' · '.join(parts)}[/]", f"[b $warning]{' · '.join(short)}[/]"]
 
 
+def _disk_parts(s: StripState) -> list[str]:
+    if s.disk_free is None:
+        return []
+    from engine.disk import fmt_bytes
+
+    colour = "$warning" if s.below_reserve else "$foreground"
+    return [f"disk [{colour}]{fmt_bytes(s.disk_free)} free[/]", f"disk [{colour}]{fmt_bytes(s.disk_free)}[/]"]
+
+
 def _gpu_parts(s: StripState) -> list[str]:
     snap = s.gpu
     if snap is None:
@@ -168,7 +179,7 @@ def _gpu_parts(s: StripState) -> list[str]:
 def strip_markup(state: StripState, width: int) -> str:
     """One line of markup that fits `width` cells (0: no limit)."""
     parts = [("server", _server_parts(state)), ("stages", _stage_parts(state)), ("job", _job_parts(state)),
-             ("warning", _warning_parts(state)), ("gpu", _gpu_parts(state))]
+             ("warning", _warning_parts(state)), ("disk", _disk_parts(state)), ("gpu", _gpu_parts(state))]
     # Every part gets three forms (its shortest repeated), so level 3, and only level 3, drops it.
     parts = [(name, (forms + [forms[-1]] * 3)[:3]) for name, forms in parts if forms]
     level = {name: 0 for name, _f in parts}
@@ -189,12 +200,21 @@ def strip_markup(state: StripState, width: int) -> str:
             break
         if name in level:
             level[name] = max(level[name], lvl)
+    # Then give room back, most telling part first, wherever a longer form still fits.
+    for name in GROW_BACK:
+        while level.get(name, 0) > 0:
+            level[name] -= 1
+            if cells(line()) > width:
+                level[name] += 1
+                break
     return line()
 
 
+GROW_BACK = ("warning", "job", "stages", "server", "disk", "gpu")
 # (part, level) steps, applied in order until the line fits; a level equal to the number of forms drops it.
-SHORTEN = (("gpu", 1), ("job", 1), ("server", 1), ("gpu", 2), ("job", 2), ("stages", 1), ("warning", 1),
-           ("gpu", 3), ("stages", 2), ("server", 2), ("job", 3), ("stages", 3), ("server", 3), ("warning", 2))
+SHORTEN = (("disk", 1), ("gpu", 1), ("job", 1), ("server", 1), ("gpu", 2), ("job", 2), ("stages", 1),
+           ("warning", 1), ("disk", 3), ("gpu", 3), ("stages", 2), ("server", 2), ("job", 3), ("stages", 3),
+           ("server", 3), ("warning", 2))
 
 
 class StatusStrip(Static):
