@@ -170,7 +170,12 @@ class JobActions:
             self.notify(f"{job_id} is not running: no stacks", severity="warning", timeout=5)
 
     def action_search(self) -> None:
-        self._jobs_pane().open_search()
+        if self.active_pane() == "pipeline":
+            from eagle3_console.panes import PipelinePane
+
+            self.query_one(PipelinePane).open_filter()
+        else:
+            self._jobs_pane().open_search()
 
     def action_search_next(self) -> None:
         self._jobs_pane().next_match(1)

@@ -58,7 +58,8 @@ KEYS: tuple[Key, ...] = (
     Key("u", "reload_evaluation", "Reload", "read the evaluation report again", panes=("evaluation",)),
     Key("d", "stacks", "Stacks", "the selected running job writes every thread's stack to its log",
         panes=("jobs",)),
-    Key("slash", "search", "Search", "search the log (Enter: find, Esc: clear)", panes=("jobs",), display="/"),
+    Key("slash", "search", "Filter", "filter the list in focus (stages, jobs) or search the focused log "
+        "(Enter applies, Esc clears)", panes=("pipeline", "jobs"), display="/"),
     Key("n", "search_next", "Next", "next match of the search", panes=("jobs",), show=False),
     Key("N", "search_previous", "Prev", "previous match of the search", panes=("jobs",), show=False),
     Key("f", "follow", "Follow", "follow the log's end on / off", panes=("jobs",)),

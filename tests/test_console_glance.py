@@ -218,6 +218,17 @@ async def test_red_stage_failing_check_and_fix_reachable_by_keys_at_80x24(tmp_pa
         text = screen_text(app)
         assert "✘ speedup: 0.82× of plain decoding" in text, text
         assert "fix: train longer" in text, text
+        # `/` filters the stage list: only the red one, then Esc shows all nine again
+        await pilot.press("shift+tab")
+        await pilot.press("slash")
+        await pilot.press(*"fail")
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        assert pane.shown_stages() == ["evaluate"] and pane.selected_stage == "evaluate"
+        assert " model " not in screen_text(app)
+        await pilot.press("escape")
+        await pilot.pause(0.2)
+        assert len(pane.shown_stages()) == 9
 
 
 # ----------------------------------------------------------------------------- the Jobs pane
@@ -249,11 +260,25 @@ async def test_jobs_pane_lists_jobs_tails_logs_searches_and_stops(tmp_path):
             await wait_until(pilot, lambda: any("needle" in line for line in pane.lines), 15)
             await pilot.pause(0.3)
             assert "needle here" in screen_text(app)  # follows the end
+            pane.query_one("#jobs-log-scroll").focus()  # Tab from the list; `/` then searches the log
             await pilot.press("slash")
             await pilot.press(*"line 12 ")
             await pilot.press("enter")
             await pilot.pause(0.3)
             assert "line 12 working" in screen_text(app) and not pane.follow
+            # `/` with the list focused filters the jobs; Esc clears
+            pane.query_one("#jobs-table").focus()
+            await pilot.press("slash")
+            await pilot.press(*"fail")
+            await pilot.press("enter")
+            await pilot.pause(0.2)
+            assert [j.id for j in pane.shown_jobs()] == [failing.id]
+            assert running.id not in screen_text(app)
+            await pilot.press("escape")
+            await pilot.pause(0.2)
+            assert len(pane.shown_jobs()) == 2
+            pane.select_job(running.id)
+            await pilot.pause(0.1)
             # stop on the row asks, then stops
             await pilot.press("S")
             await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))

@@ -29,6 +29,7 @@ from eagle3_console.messages import JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
 
+EMPTY_TEXT = "no jobs yet: start one with [b]s[/b] on a stage (Pipeline) or its pane"
 LOG_LINES = 400  # lines of the selected job's log kept on screen
 STATE_COLOURS = {"running": "success", "starting": "warning", "succeeded": "success", "failed": "error",
                  "lost": "error", "stopped": "warning"}
@@ -99,13 +100,15 @@ class JobsPane(Pane):
         self.follow = True
         self.term = ""
         self.match_index = -1
+        self.job_filter = ""  # `/` with the list focused: only jobs whose id, stage, state or reason match
+        self._search_mode = "log"
         self._read_lock = threading.Lock()
         self._shown_columns: list[str] = []
         self._progress_width: int | None = None
         self.clock: Callable[[], float] = time.time  # ages are measured against it (fixed in snapshots)
 
     def compose(self) -> ComposeResult:
-        yield Static("no jobs yet: start one with [b]s[/b] on a stage (Pipeline) or its pane", id="jobs-empty")
+        yield Static(EMPTY_TEXT, id="jobs-empty")
         yield JobList(id="jobs-table", cursor_type="row")
         yield Static("", id="jobs-reason")
         yield Static("log", id="jobs-log-title")
@@ -137,16 +140,26 @@ class JobsPane(Pane):
         self._rebuild()
 
     # -- selection
+    def shown_jobs(self) -> tuple:
+        if not self.job_filter:
+            return self.jobs
+        needle = self.job_filter.lower()
+        return tuple(j for j in self.jobs if needle in " ".join((j.id, j.kind, j.state, j.reason or "")).lower())
+
     @property
     def selected_job(self):
         table = self.query_one(JobList)
-        if not self.jobs or table.row_count == 0:
+        shown = self.shown_jobs()
+        if not shown or table.row_count == 0:
             return None
-        row = max(0, min(table.cursor_row, len(self.jobs) - 1))
-        return self.jobs[row]
+        row = max(0, min(table.cursor_row, len(shown) - 1))
+        return shown[row]
 
     def select_job(self, job_id: str) -> None:
-        for i, job in enumerate(self.jobs):
+        if job_id not in {j.id for j in self.shown_jobs()}:
+            self.job_filter = ""
+            self._rebuild()
+        for i, job in enumerate(self.shown_jobs()):
             if job.id == job_id:
                 self.query_one(JobList).move_cursor(row=i)
 
@@ -193,12 +206,19 @@ class JobsPane(Pane):
         self._progress_width = dict(self._columns()).get("progress")
         for name, width in self._columns():
             table.add_column(name, key=name, width=width)
-        for job in self.jobs:
+        shown = self.shown_jobs()
+        for job in shown:
             table.add_row(*self._row(job), key=job.id)
-        table.display = bool(self.jobs)
-        self.query_one("#jobs-empty").display = not self.jobs
-        if self.jobs:
-            table.move_cursor(row=max(0, min(row, len(self.jobs) - 1)), animate=False)
+        table.display = bool(shown)
+        empty = self.query_one("#jobs-empty", Static)
+        empty.display = not shown
+        if self.jobs and not shown:
+            set_markup(empty, f"no job matches /{esc(self.job_filter)} (Esc clears)")
+        elif not self.jobs:
+            set_markup(empty, EMPTY_TEXT)
+        self.border_subtitle = f"/{self.job_filter}" if self.job_filter else ""
+        if shown:
+            table.move_cursor(row=max(0, min(row, len(shown) - 1)), animate=False)
             job = self.selected_job
             if job is not None and job.id != self.log_job:
                 self.lines, self.log_job = [], job.id
@@ -210,7 +230,7 @@ class JobsPane(Pane):
         if widths.get("progress") != self._progress_width:
             self._rebuild()  # a longer progress figure: the column grows
             return
-        for job in self.jobs:
+        for job in self.shown_jobs():
             try:
                 table.update_cell(job.id, "progress", progress_cell(self.progress.get(job.id), job.state))
                 if "age" in self._shown_columns:
@@ -293,19 +313,32 @@ class JobsPane(Pane):
         return self.follow
 
     def open_search(self) -> None:
+        """`/`: filter the job list when it has focus, else search the log."""
         box = self.query_one("#jobs-search", Input)
+        self._search_mode = "list" if self.query_one(JobList).has_focus else "log"
+        box.placeholder = ("filter jobs (id, stage, state, reason) · Enter · Esc clears" if self._search_mode == "list"
+                           else "search the log (Enter: find · n/N next/previous · Esc: close)")
         box.add_class("-shown")
-        box.value = self.term
+        box.value = self.job_filter if self._search_mode == "list" else self.term
         box.focus()
 
     def action_close_search(self) -> None:
         box = self.query_one("#jobs-search", Input)
         if box.has_class("-shown"):
             box.remove_class("-shown")
-            self.query_one(LogScroll).focus()
+            (self.query_one(JobList) if self._search_mode == "list" else self.query_one(LogScroll)).focus()
+        elif self.job_filter:
+            self.job_filter = ""
+            self._rebuild()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
+        if self._search_mode == "list":
+            self.job_filter = event.value.strip()
+            self.query_one("#jobs-search", Input).remove_class("-shown")
+            self._rebuild()
+            self.query_one(JobList).focus()
+            return
         self.term = event.value if event.value.strip() else ""
         self.query_one("#jobs-search", Input).remove_class("-shown")
         self.follow = False

@@ -11,7 +11,8 @@ import time
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
-from textual.widgets import DataTable, Static
+from textual.binding import Binding
+from textual.widgets import DataTable, Input, Static
 
 from eagle3_console.keys import nav_bindings, scroll_bindings
 from eagle3_console.messages import RunChecks, StageChanged
@@ -93,21 +94,26 @@ class PipelinePane(Pane):
 
     PANE_ID = "pipeline"
     TITLE = "Pipeline"
+    BINDINGS = [Binding("escape", "close_filter", "", show=False)]
     DEFAULT_CSS = """
     PipelinePane #stage-detail-scroll { height: 1fr; min-height: 3; margin-top: 1; }
     PipelinePane #stage-detail { height: auto; }
+    PipelinePane #stage-filter { dock: bottom; display: none; }
+    PipelinePane #stage-filter.-shown { display: block; }
     """
 
     def __init__(self, stages: list, reports: list, **kwargs) -> None:
         super().__init__(**kwargs)
         self.stages = {s.name: s for s in stages}
         self.order = [s.name for s in stages]
+        self.filter = ""  # `/`: only stages whose name, state or evidence contain it
         self.reports = {r.stage: r for r in reports}
 
     def compose(self) -> ComposeResult:
         yield StageTable(id="stage-table", cursor_type="row", show_cursor=True)
         with DetailScroll(id="stage-detail-scroll"):
             yield Static("", id="stage-detail")
+        yield Input(placeholder="filter stages (name, state, evidence) · Enter · Esc clears", id="stage-filter")
 
     def on_mount(self) -> None:
         self._rebuild()
@@ -118,11 +124,49 @@ class PipelinePane(Pane):
     @property
     def selected_stage(self) -> str:
         table = self.query_one(StageTable)
-        row = max(0, min(table.cursor_row, len(self.order) - 1))
-        return self.order[row]
+        shown = self.shown_stages()
+        row = max(0, min(table.cursor_row, len(shown) - 1))
+        return shown[row]
 
     def select_stage(self, name: str) -> None:
-        self.query_one(StageTable).move_cursor(row=self.order.index(name))
+        if name not in self.shown_stages():
+            self.set_filter("")
+        self.query_one(StageTable).move_cursor(row=self.shown_stages().index(name))
+
+    def shown_stages(self) -> list[str]:
+        """The stages the table lists: all, or those matching the `/` filter (never none)."""
+        if not self.filter:
+            return list(self.order)
+        needle = self.filter.lower()
+        found = [n for n in self.order if needle in " ".join((n, self.reports[n].state.value,
+                                                               last_evidence(self.reports[n]))).lower()]
+        return found or list(self.order)
+
+    def set_filter(self, text: str) -> None:
+        self.filter = text.strip()
+        self.border_subtitle = f"/{self.filter}" if self.filter else ""
+        self._rebuild()
+        self._render_detail()
+
+    def open_filter(self) -> None:
+        box = self.query_one("#stage-filter", Input)
+        box.add_class("-shown")
+        box.value = self.filter
+        box.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        box = self.query_one("#stage-filter", Input)
+        box.remove_class("-shown")
+        self.set_filter(event.value)
+        self.query_one(StageTable).focus()
+
+    def action_close_filter(self) -> None:
+        box = self.query_one("#stage-filter", Input)
+        if box.has_class("-shown") or self.filter:
+            box.remove_class("-shown")
+            self.set_filter("")
+            self.query_one(StageTable).focus()
 
     def row_text(self, name: str) -> str:
         """The visible cells of one stage's row, joined by spaces (used by tests and the CLI)."""
@@ -133,6 +177,10 @@ class PipelinePane(Pane):
         report = message.report
         self.reports[report.stage] = report
         table = self.query_one(StageTable)
+        if self.filter:  # the row may join or leave the filtered list
+            self._rebuild()
+            self._render_detail()
+            return
         for key, value in zip(("glyph", "stage", "state", "evidence"), self._cells(report)):
             table.update_cell(report.stage, key, value)
         if report.stage == self.selected_stage:
@@ -172,7 +220,7 @@ class PipelinePane(Pane):
         table.add_column("stage", key="stage", width=9)
         table.add_column("state", key="state", width=11)
         table.add_column("last evidence", key="evidence", width=self._evidence_width())
-        for name in self.order:
+        for name in self.shown_stages():
             table.add_row(*self._cells(self.reports[name]), key=name)
         table.move_cursor(row=max(0, row), animate=False)
 
