@@ -280,14 +280,15 @@ async def test_training_pane_renders_nan_inf_null_at_80x24_and_160x50(tmp_path, 
 
 
 async def test_console_opens_at_160x50_on_nan_metrics(tmp_path):
-    """At >= 160 columns every pane is on screen from the start: the console died before its first frame."""
+    """At >= 200 columns (160 before issue 21's layouts) every pane is on screen from the start: the
+    console died before its first frame."""
     from engine.core import Engine
     from eagle3_console.app import ConsoleApp
     from eagle3_console.panes import TrainingPane
 
     ws = _nan_workspace(tmp_path, only_nonfinite=True)
     app = ConsoleApp(Engine(ws))
-    async with app.run_test(size=(160, 50)) as pilot:
+    async with app.run_test(size=(200, 60)) as pilot:
         pane = app.query_one(TrainingPane)
         await _wait(pilot, lambda: pane.view.step == 4)
         await pilot.pause(0.5)
