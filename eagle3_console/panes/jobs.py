@@ -177,9 +177,11 @@ class JobsPane(Pane):
         """Columns for the pane's width: the stage goes below 100 cells (the id names it), the reason
         takes what is left (the selected job's whole reason shows under the list)."""
         width = (self.content_region.width or 78) - 1
-        id_width = min(32, max([len(j.id) for j in self.jobs] or [20]))
-        progress_width = max([len(progress_cell(self.progress.get(j.id), j.state)) for j in self.jobs] or [8])
-        cols = [("state", 10), ("job", id_width), ("progress", min(16, max(8, progress_width)))]
+        progress_width = min(16, max(8, max([len(progress_cell(self.progress.get(j.id), j.state))
+                                               for j in self.jobs] or [8])))
+        # The id gives way first (its date stays, the random tail goes) so the progress is never cut.
+        id_width = max(12, min(32, max([len(j.id) for j in self.jobs] or [20]), width - 12 - progress_width - 4))
+        cols = [("state", 10), ("job", id_width), ("progress", progress_width)]
         for name, w, min_width in (("age", 6, 0), ("stage", 8, 110)):
             if width >= min_width and sum(c + 2 for _n, c in cols) + w + 2 <= width:
                 cols.insert(2 if name == "age" else 2, (name, w))
