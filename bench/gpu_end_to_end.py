@@ -320,6 +320,9 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     parser.add_argument("--samples", type=int, default=3000)
     parser.add_argument("--drafter-epochs", type=int, default=6)
     parser.add_argument("--eval-prompts", type=int, default=24)
+    parser.add_argument("--eval-rounds", type=int, default=3, help="evaluate.rounds")
+    parser.add_argument("--eval-concurrency", default="1,4,16", help="evaluate.concurrency, comma-separated")
+    parser.add_argument("--eval-sweep", default="2,3,4", help="evaluate.sweep_steps, comma-separated ('' = none)")
     parser.add_argument("--corpus-mb", type=float, default=120.0, help="held-in code, topped up from packages")
     parser.add_argument("--sample-tokens", type=int, default=1024, help="tokens per drafter training sample")
     parser.add_argument("--capture-loads", type=capture_loads, default=capture_loads("1x16,4x64,8x64"),
@@ -379,7 +382,9 @@ def main() -> int:  # noqa: C901 - one linear benchmark
         "train.draft_vocab_size": 8192, "train.batch_size": 2 if args.quick else 16, "train.ttt_steps": 4,
         "train.epochs": 1 if args.quick else args.drafter_epochs, "train.learning_rate": 6e-4, "train.warmup_ratio": 0.05,
         "train.log_every": 20, "train.save_every": 200, "evaluate.num_prompts": args.eval_prompts, "evaluate.max_new_tokens": 128,
-        "evaluate.spec_steps": 3,
+        "evaluate.spec_steps": 3, "evaluate.rounds": args.eval_rounds,
+        "evaluate.concurrency": [int(x) for x in args.eval_concurrency.split(",")],
+        "evaluate.sweep_steps": [int(x) for x in args.eval_sweep.split(",")] if args.eval_sweep else [],
     }.items():
         config = set_value(config, key, value)
     ws.save_config(config)
