@@ -4,8 +4,8 @@ Everything shown comes from the extraction job's own events (engine.extract.job)
 (samples, tokens, rates, ETA, bytes written), pauses with their reason, bad samples and
 retries, outages, and the final result. The disk gauge of the output filesystem also shows
 where usage will be at completion (bytes per token so far × tokens still to go), against the
-reserve. Keys (app-level, shown while this pane is active): `x` start, `p` pause/resume,
-`X` stop (asks first).
+reserve. Keys (app-level, shown while this pane is active): `s` start, `p` pause/resume,
+`S` stop (asks first).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ trims it atomically) is read again from the start. Missing keys are shown as "?"
 values (logged as "NaN"/"Infinity", or bare NaN/Infinity by older runs) are shown as nan/inf and
 never plotted: a curve with no finite point says so instead of drawing.
 
-Keys (app-level, shown while this pane is active): `T` start/resume, `K` stop (asks first),
+Keys (app-level, shown while this pane is active): `s` start/resume, `S` stop (asks first),
 `c` next curve when only one fits.
 """
 

@@ -8,7 +8,7 @@ from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
 from engine.disk import fmt_bytes
 
-START_FIX = "start the extraction: `eagle3-console run extract` or `x` on the Extraction pane"
+START_FIX = "start the extraction: `eagle3-console run extract` or `s` on the Extraction pane"
 
 
 def check_extract(ctx: CheckContext) -> list[CheckResult]:
