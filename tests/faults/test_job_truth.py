@@ -34,10 +34,10 @@ from faults import ledger
 from eagle3_console.app import ConsoleApp
 from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.panes import PipelinePane
+from engine.checks.extract import START_FIX
 from tests.test_console import make_workspace
 
 REPO = Path(__file__).resolve().parents[2]
-START_FIX = "start the extraction: `eagle3-console run extract` or `x` on the Extraction pane"
 
 WAITING_JOB = """
 import sys, time
