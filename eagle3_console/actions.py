@@ -254,6 +254,27 @@ class JobActions:
 
         self.push_screen(ConfirmScreen("Stop the server?", body, warning), answered)
 
+    def action_apply_settings(self) -> None:
+        """Restart the server from console.toml ("restart the server to apply"), after a yes that
+        names each setting it changes and the jobs the restart interrupts."""
+        self._focus_pane("server")
+        drift = self.engine.server_drift()
+        if not drift:
+            self.notify("the server already runs with console.toml's settings", timeout=4)
+            return
+        lines = [d.describe() for d in drift]
+        users = self.engine.server_users()
+        warning = ("Running jobs use this server: " + ", ".join(f"{j.kind} {j.id}" for j in users)
+                   + ". The restart interrupts them (extraction waits for it to come back).") if users else ""
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self._run(self._guarded("restarting the server", self.engine.restart_server()),
+                          "restarting the server")
+
+        self.push_screen(ConfirmScreen("Restart the server to apply console.toml?", "\n".join(lines), warning),
+                         answered)
+
     # -- starting a stage's job: a long job asks first (duration, disk need, red prerequisites)
     def _start_after_prerequisites(self, stage: str, start) -> None:
         """Call `start()` now, or after a yes: a long job (extract, train, evaluate) asks with its

@@ -51,6 +51,8 @@ KEYS: tuple[Key, ...] = (
     Key("S", "stop", "Stop", "stop this pane's job or the selected job (asks first; jobs checkpoint)",
         panes=(*JOB_PANES, "jobs"), mutates=True),
     # -- pane keys
+    Key("a", "apply_settings", "Apply", "restart the server so it runs with console.toml as it is now (asks "
+        "first, naming what differs)", panes=("server",), mutates=True),
     Key("p", "toggle_pause", "Pause", "pause / resume extraction after the requests in flight",
         panes=("extraction",), mutates=True),
     Key("c", "next_curve", "Curve", "next training curve (loss → accuracy → acceptance length)",

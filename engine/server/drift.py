@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 RESTART_FIX = ("restart the server to apply: `eagle3-console server stop` then `eagle3-console server start` "
-               "(or `S` then `s` on the Server pane)")
+               "(or `a` on the Server pane)")
 ADDRESS_SETTINGS = ("server.host", "server.port")
 MEMO_TTL_S = 10.0  # a memoised comparison is re-made at least this often (model files may change)
 

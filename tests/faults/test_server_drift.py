@@ -371,3 +371,43 @@ def test_engine_says_it_once_and_rechecks_the_server_stages(tmp_path, model8):
         assert len(notices) == 2, notices
     finally:
         asyncio.run(engine.close())
+
+
+# ------------------------------------------------------------------ the console's "restart to apply"
+
+
+async def test_console_applies_console_toml_by_restarting_the_server(model8, tmp_path):
+    """The real console on a real drifted server, at 80x24: the strip says so, `a` on the Server pane
+    asks naming the setting, `y` restarts the server from console.toml, and the drift is gone."""
+    from conftest import screen_text
+    from engine.core import Engine
+    from eagle3_console.app import ConsoleApp
+    from eagle3_console.confirm import ConfirmScreen
+    from tests.test_console import wait_until
+
+    ws = _ws(tmp_path / "ws", model8, **{"extract.spool_dir": str(tmp_path / "spoolA"),
+                                         "server.port": free_port()})
+    manager = ServerManager(ws)
+    assert (await manager.start()).state == "ready"
+    try:
+        ws = _change(ws, "extract.spool_dir", str(tmp_path / "spoolB"))
+        engine = Engine(Workspace(ws.root))
+        app = ConsoleApp(engine)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await wait_until(pilot, lambda: "restart srv" in screen_text(app) or "restart server" in screen_text(app),
+                             30)
+            await pilot.press("2")
+            await pilot.press("a")
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 10)
+            await pilot.pause(0.3)
+            shown = screen_text(app)  # long paths wrap mid-word in the dialog
+            assert "extract.spool_dir: the server runs with" in shown and "console.toml says" in shown, shown
+            await pilot.press("y")
+            await wait_until(pilot, lambda: engine.server_status is not None and engine.server_status.state == "ready"
+                             and not engine.server_drift(), 90)
+            await wait_until(pilot, lambda: "restart s" not in screen_text(app), 30)
+        record = ServerManager(Workspace(ws.root)).record()
+        assert record.get("spool_dir") == str(tmp_path / "spoolB")
+    finally:
+        await ServerManager(Workspace(ws.root)).stop(grace=5)
+    ledger.add("console: restart to apply console.toml", trials=1, faults=1)
