@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Callable, IO, Iterable
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new entry in `directory` durable (best effort: some file systems refuse)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -70,7 +71,7 @@ def write_via_path(path: str | os.PathLike, writer: Callable[[str], None], mode:
     except BaseException:
         _discard(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def publish_via_path(path: str | os.PathLike, writer: Callable[[str], None]) -> None:

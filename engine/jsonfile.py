@@ -19,3 +19,12 @@ def read_json_object(path: Path, error: type[Exception], what: str, fix: str = "
     if not isinstance(data, dict):
         raise error(f"{what} {path} is not a JSON object{fix}")
     return data
+
+
+def read_json_object_or_none(path: Path) -> dict[str, Any] | None:
+    """The object in `path`, or None when it is missing, unreadable or not an object (optional markers)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -12,7 +12,6 @@ symlink (a link is unlinked, never entered).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -24,6 +23,7 @@ from engine.names import UnsafeNameError, check_name
 from engine.records import RUN_META, RecordError, read_manifest, read_run_meta
 from engine.stagejobs import RECORD_READERS
 from engine.errors import EngineError
+from engine.jsonfile import read_json_object_or_none
 
 RUN_LOCK = ".extract.lock"  # engine.extract.job.RUN_LOCK, not imported for the same reason
 COMPLETE = "complete.json"  # engine.extract.job.COMPLETE (not imported: that module pulls asyncio job code)
@@ -84,14 +84,6 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -134,7 +126,7 @@ def describe_run(output_dir: Path, name: str, verify: bool = False) -> RunInfo:
         problems = []
     entries, manifest_problems = read_manifest(path)
     problems += manifest_problems
-    complete = _read_json(path / COMPLETE)
+    complete = read_json_object_or_none(path / COMPLETE)
     created = _number(meta.get("created_at"))
     if created is None:
         try:

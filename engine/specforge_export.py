@@ -38,9 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine import atomic
 from engine.names import UnsafeNameError, check_name
 from engine.records import RecordError, load_record, read_manifest, read_run_meta
 from engine.errors import EngineError
+from engine.jsonfile import read_json_object_or_none
 
 FORMATS = ("specforge",)
 SPECFORGE_COMMIT = "a6b6b0230009d15ec2a97a57384e6f53f0f96946"  # the SpecForge source this layout was read from
@@ -70,14 +72,6 @@ def specforge_relpath(index: int) -> str:
     return f"rows_{group}-{group + SPECFORGE_GROUP_SIZE}/data_{index}.ckpt"
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _source_run(output_dir: Path, name: str) -> tuple[Path, dict, list]:
     """The run directory, its run.json and its manifest entries; ExportError unless finished and whole."""
     from engine.workspace import WorkspaceLock
@@ -101,7 +95,7 @@ def _source_run(output_dir: Path, name: str) -> tuple[Path, dict, list]:
         raise ExportError(f"{exc}; nothing exported") from None
     if WorkspaceLock(run_dir, RUN_LOCK).held_elsewhere():
         raise ExportError(f"an extraction is writing run {name!r} now: wait for it to finish, then export")
-    complete = _read_json(run_dir / COMPLETE)
+    complete = read_json_object_or_none(run_dir / COMPLETE)
     if complete is None:
         raise ExportError(f"run {name!r} is not finished ({run_dir / COMPLETE} missing or unreadable): finish it "
                           f"with `eagle3-console run extract` (extract.run = {name}), then export")
@@ -134,16 +128,6 @@ def _check_dest(dest: Path, run_dir: Path) -> None:
     resolved, source = dest.resolve(), run_dir.resolve()
     if resolved == source or source in resolved.parents:
         raise ExportError(f"{dest} is inside the run {run_dir}: export somewhere else; nothing exported")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _specforge_sample(tensors: dict, entry, hidden: int) -> dict:
@@ -225,7 +209,7 @@ def export_specforge(output_dir: Path, run: str, dest: str | os.PathLike,
         }
         (tmp / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         for directory in [*sorted(p for p in tmp.iterdir() if p.is_dir()), tmp]:
-            _fsync(directory)
+            atomic.fsync_dir(directory)
         try:
             os.rename(tmp, dest)  # replaces only a missing or empty directory (ENOTEMPTY otherwise)
         except OSError as exc:
@@ -234,5 +218,5 @@ def export_specforge(output_dir: Path, run: str, dest: str | os.PathLike,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync(dest.parent)
+    atomic.fsync_dir(dest.parent)
     return ExportResult(run, dest, len(entries), tokens, written)
