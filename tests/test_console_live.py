@@ -124,7 +124,7 @@ async def test_server_pane_shows_status_and_stop_asks_first(ws):
         text = screen_text(app)
         assert "● ready · local · pid 4242 · up 2m05s" in text
         assert "http://127.0.0.1:30123 · model /models/tiny-llama" in text
-        assert "capture layers 1,1,0 (SGLang numbering 2,2,1)" in text
+        assert "capture layers 1,1,0 (SGLang layers_to_capture 2,2,1)" in text
         assert "gen 123.4 tok/s" in text and "running 2 · queued 1" in text
         assert "POST /generate 200" in text  # log tail
         footer = screen_lines(app)[-1]

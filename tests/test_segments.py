@@ -60,7 +60,7 @@ def test_default_layers_too_small_model():
     "layers, message",
     [
         ([0, 1, 3], r"capture layer 3 is out of range \(the last layer.*valid range is 0\.\.2"),
-        ([1, 2, 4], r"capture layer 4 .*SGLang numbering"),
+        ([1, 2, 4], r"capture layer 4 .*layers_to_capture"),
         ([-1, 0, 1], r"capture layer -1 is out of range"),
         ([0, 1], r"expected 3 capture layers"),
         ([2, 1, 0], r"distinct and increasing"),

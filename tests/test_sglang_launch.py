@@ -212,7 +212,7 @@ def test_server_info_check_and_allreduce_skip(ws):
             "enable_return_aux_hidden_states": True, "return_aux_hidden_state_layer_ids": [0, 1, 2],
             "forward_hooks": hooks}
     [ok] = check_sglang_server_info(info, ctx)
-    assert ok.status.value == "pass" and "capture layers [0, 1, 2] (SGLang numbering [1, 2, 3])" in ok.evidence
+    assert ok.status.value == "pass" and "capture layers [0, 1, 2] (SGLang layers_to_capture [1, 2, 3])" in ok.evidence
     [bad] = check_sglang_server_info({**info, "disable_radix_cache": False, "speculative_algorithm": "EAGLE3"}, ctx)
     assert bad.status.value == "fail" and "radix cache is ON" in bad.evidence and "speculative" in bad.evidence
     no_gpu = GpuSnapshot(available=False, reason="NVML unavailable: x", driver_version=None, cuda_driver_version=None,

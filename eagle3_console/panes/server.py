@@ -40,7 +40,7 @@ def capture_text(status) -> str:
         sglang = to_sglang_numbering(layers)
     ours = ",".join(str(i) for i in layers) or "?"
     theirs = ",".join(str(i) for i in sglang or []) or "?"
-    return f"capture layers [b]{ours}[/b] [$text-muted](SGLang numbering {theirs})[/]"
+    return f"capture layers [b]{ours}[/b] [$text-muted](SGLang layers_to_capture {theirs})[/]"
 
 
 def flags_text(flags: dict, width: int) -> str:

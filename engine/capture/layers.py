@@ -66,7 +66,7 @@ def validate_layers(
             if layer == num_layers - 1:
                 hint = " (the last layer's output is the final hidden state, stored separately)"
             elif layer == num_layers:
-                hint = " (is this SGLang numbering? ours is SGLang's id minus 1)"
+                hint = " (is this SGLang's layers_to_capture? ours is that minus 1)"
             raise ValueError(f"capture layer {layer} is out of range{hint}; valid range is {valid_range}")
         result.append(layer)
     if expected_count is not None and len(result) != expected_count:

@@ -91,7 +91,7 @@ def _flags_check(info: dict, ctx: CheckContext) -> CheckResult:
         problems.append("capture is not enabled in this server")
     evidence = (f"disable_radix_cache={info.get('disable_radix_cache')}, speculative_algorithm="
                 f"{info.get('speculative_algorithm')}, enable_metrics={info.get('enable_metrics')}, "
-                f"capture layers {capture.get('layers')} (SGLang numbering {capture.get('layers_sglang')})")
+                f"capture layers {capture.get('layers')} (SGLang layers_to_capture {capture.get('layers_sglang')})")
     if problems:
         return failed("flags", "; ".join(problems) + f" — {evidence}",
                       "restart the server from the console, which launches it with the capture-safe flags")

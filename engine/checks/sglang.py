@@ -114,7 +114,7 @@ def check_sglang_server_info(info: dict[str, Any], ctx: CheckContext) -> list[Ch
     evidence = (f"SGLang {info.get('version')}: disable_radix_cache={info.get('disable_radix_cache')}, "
                 f"speculative_algorithm={info.get('speculative_algorithm')}, enable_metrics={info.get('enable_metrics')}, "
                 f"aux ids {info.get('return_aux_hidden_state_layer_ids')}, capture layers {layers} "
-                f"(SGLang numbering {layers_sglang})")
+                f"(SGLang layers_to_capture {layers_sglang})")
     if problems:
         return [failed("flags", "; ".join(problems) + f" — {evidence}", RESTART_FIX)]
     return [passed("flags", evidence)]

@@ -278,7 +278,7 @@ def speculative_decode(target, drafter: Eagle3Drafter, prompt_ids: Sequence[int]
                        on_verify: Callable[[int], None] | None = None) -> DecodeResult:
     """Greedy EAGLE-3 decoding; the output equals `greedy_decode` token for token.
 
-    `num_steps` draft tokens per verify step; `aux_layers` in SGLang numbering. Drafts stay on the
+    `num_steps` draft tokens per verify step; `aux_layers` as transformers hidden_states indices (ours + 1). Drafts stay on the
     device: one host sync per verify step (reading drafts and the target's choices together).
     """
     if not prompt_ids:

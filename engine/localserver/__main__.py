@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     runner.start()
     capture = runner.capture
     capture_note = (
-        f"capture layers {capture.layers} (SGLang numbering {to_sglang_numbering(capture.layers)}) "
+        f"capture layers {capture.layers} (SGLang layers_to_capture {to_sglang_numbering(capture.layers)}) "
         f"-> {capture.spool_dir}" if capture else "capture off"
     )
     if args.host not in ("127.0.0.1", "::1", "localhost"):
