@@ -8,15 +8,22 @@ replace the queued one (`can_replace`) instead of piling up.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from textual.message import Message
 
+if TYPE_CHECKING:
+    from engine.checks.base import StageReport
+    from engine.disk import DiskUsage
+    from engine.gpu import GpuSnapshot
+    from engine.jobs import JobInfo
+    from engine.server.manager import ServerStatus
+
 
 class GpuChanged(Message, bubble=False):
-    """A new GPU snapshot (engine.gpu.GpuSnapshot)."""
+    """A new GPU snapshot."""
 
-    def __init__(self, snapshot: Any) -> None:
+    def __init__(self, snapshot: GpuSnapshot) -> None:
         super().__init__()
         self.snapshot = snapshot
 
@@ -25,9 +32,9 @@ class GpuChanged(Message, bubble=False):
 
 
 class DiskChanged(Message, bubble=False):
-    """New disk usage per filesystem (tuple of engine.disk.DiskUsage)."""
+    """New disk usage per filesystem."""
 
-    def __init__(self, usages: tuple) -> None:
+    def __init__(self, usages: tuple[DiskUsage, ...]) -> None:
         super().__init__()
         self.usages = usages
 
@@ -36,9 +43,9 @@ class DiskChanged(Message, bubble=False):
 
 
 class JobsChanged(Message, bubble=False):
-    """The current job list (tuple of engine.jobs.JobInfo)."""
+    """The current job list."""
 
-    def __init__(self, jobs: tuple) -> None:
+    def __init__(self, jobs: tuple[JobInfo, ...]) -> None:
         super().__init__()
         self.jobs = jobs
 
@@ -47,9 +54,9 @@ class JobsChanged(Message, bubble=False):
 
 
 class StageChanged(Message, bubble=False):
-    """One stage's report changed (engine.checks.base.StageReport); never coalesced."""
+    """One stage's report changed; never coalesced."""
 
-    def __init__(self, report: Any) -> None:
+    def __init__(self, report: StageReport) -> None:
         super().__init__()
         self.report = report
 
@@ -63,9 +70,9 @@ class RunChecks(Message):
 
 
 class ServerChanged(Message, bubble=False):
-    """A new server status (engine.server.manager.ServerStatus)."""
+    """A new server status."""
 
-    def __init__(self, status: Any) -> None:
+    def __init__(self, status: ServerStatus) -> None:
         super().__init__()
         self.status = status
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the payloads' own modules import heavier things; the types are for readers and mypy
+    from engine.checks.base import StageReport
+    from engine.disk import DiskUsage
+    from engine.gpu import GpuSnapshot
+    from engine.jobs import JobInfo
+    from engine.server.manager import ServerStatus
 
 
 @dataclass(frozen=True)
@@ -14,22 +21,22 @@ class Event:
 
 @dataclass(frozen=True)
 class GpuUpdated(Event):
-    snapshot: Any  # engine.gpu.GpuSnapshot
+    snapshot: GpuSnapshot
 
 
 @dataclass(frozen=True)
 class DiskUpdated(Event):
-    usages: tuple  # tuple[engine.disk.DiskUsage, ...]
+    usages: tuple[DiskUsage, ...]
 
 
 @dataclass(frozen=True)
 class StageUpdated(Event):
-    report: Any  # engine.checks.base.StageReport
+    report: StageReport
 
 
 @dataclass(frozen=True)
 class JobsUpdated(Event):
-    jobs: tuple  # tuple[engine.jobs.JobInfo, ...]
+    jobs: tuple[JobInfo, ...]
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,7 @@ class Notice(Event):
 
 @dataclass(frozen=True)
 class ServerUpdated(Event):
-    status: Any  # engine.server.manager.ServerStatus
+    status: ServerStatus
 
 
 @dataclass(frozen=True)
@@ -49,4 +56,4 @@ class JobEvents(Event):
 
     job_id: str
     kind: str
-    events: tuple  # tuple[dict, ...]
+    events: tuple[dict[str, Any], ...]
