@@ -324,9 +324,13 @@ class ExtractionPane(Pane):
             bar.update(total=v.total, progress=v.done)
         eta = fmt_duration(v.eta_s) if v.eta_s is not None and phase == "running" else "—"
         tokens = f"{fmt_count(v.tokens)}/{fmt_count(v.total_tokens)}" if v.total_tokens else fmt_count(v.tokens)
+        numbers = f"samples {v.done}/{v.total} · tokens {tokens} · ETA {eta} · bad {v.bad}"
+        per_token = _per_token(v.bytes, v.tokens)
+        if len(numbers) + len(per_token) > (self.content_region.width or 78) - 1:
+            per_token = ""  # never wrap the line: the figure is dropped where it does not fit
         set_markup(self.query_one("#extract-numbers", Static),
             f"samples [b]{v.done}/{v.total}[/b] · tokens {tokens} · ETA [b]{eta}[/b] · "
-            f"bad {'[$error]' if v.bad else ''}{v.bad}{'[/]' if v.bad else ''}")
+            f"bad {'[$error]' if v.bad else ''}{v.bad}{'[/]' if v.bad else ''}{per_token}")
         tok_s = "?" if v.tokens_per_s is None else fmt_count(v.tokens_per_s)
         mb_s = "?" if v.mb_per_s is None else f"{v.mb_per_s:.1f}"
         set_markup(self.query_one("#tok-label", Static), f"tok/s [b]{tok_s}[/b]")
@@ -361,3 +365,11 @@ class ExtractionPane(Pane):
                 projected = usage.used + remaining
             lines.extend(disk_gauge(usage, width, projected))
         set_markup(self.query_one("#disk-gauges", Static), "\n".join(lines) or "[$warning]no disk readable[/]")
+
+
+def _per_token(written: int, tokens: int) -> str:
+    """Bytes on disk per token so far (the figure that sizes a run: aux + final states, ids, mask)."""
+    if written <= 0 or tokens <= 0:
+        return ""
+    per = written / tokens
+    return f" · {per / 1024:.1f} KiB/tok" if per >= 1024 else f" · {per:.0f} B/tok"
