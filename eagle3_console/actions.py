@@ -14,19 +14,18 @@ from functools import partial
 from typing import Iterable
 
 from textual.app import SystemCommand
-from textual.binding import Binding
 from textual.screen import ModalScreen, Screen
 
 from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.keys import KEYS
 from eagle3_console.messages import ServerActionFailed
 from eagle3_console.panes import ExtractionPane, ServerPane, TrainingPane
+from engine.stagejobs import STAGE_JOBS
 
 # stage -> the pane that shows its job
 JOB_PANES = {"server": "server", "extract": "extraction", "train": "training", "evaluate": "evaluation"}
 # pane -> the stage whose job `s` / `S` start and stop there
-PANE_STAGES = {"server": "server", "extraction": "extract", "training": "train", "evaluation": "evaluate"}
-LONG_JOBS = ("extract", "train", "evaluate")  # their start asks first, with duration and disk need
+PANE_STAGES = {pane: stage for stage, pane in JOB_PANES.items()}
 # Actions by name (without parameters) -> their row in the key table.
 ACTION_KEYS = {k.action.split("(")[0]: k for k in KEYS if not k.action.startswith("show_tab")}
 
@@ -125,7 +124,7 @@ class JobActions:
 
     def stop_job_asking(self, job) -> None:
         """Stop any job (the Jobs pane's row, evaluate) after a yes; the server through its manager."""
-        from eagle3_console.cli_jobs import DEFAULT_GRACE_S, STOP_GRACE_S
+        from engine.stagejobs import stop_grace
 
         if not job.active:
             self.notify(f"job {job.id} is {job.state}: nothing to stop", timeout=4)
@@ -133,7 +132,7 @@ class JobActions:
         if job.kind == "server":
             self.action_stop_server(focus=False)
             return
-        grace = STOP_GRACE_S.get(job.kind, DEFAULT_GRACE_S)
+        grace = stop_grace(job.kind)
         body = (f"SIGTERM: the job finishes its unit of work and checkpoints; SIGKILL after {grace:g} s. "
                 "s on its stage starts it again and resumes.")
 
@@ -291,12 +290,12 @@ class JobActions:
             red = self.engine.red_prerequisites(stage)
         except (ConfigError, OSError):  # a broken config or jobs folder: the start itself says what is wrong
             red = []
-        if not red and stage not in LONG_JOBS:
+        if not red and stage not in STAGE_JOBS:  # a stage's job is long: its start asks first
             start()
             return
         warning = ""
         lines = []
-        if stage in LONG_JOBS:
+        if stage in STAGE_JOBS:
             reports = {r.stage: r for r in self.engine.reports()}
             duration, disk = start_estimate(stage, self.engine.job_list, reports, self.workspace)
             lines += [f"Estimated duration: {duration}", f"Disk: {disk}"]

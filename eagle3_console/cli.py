@@ -231,7 +231,8 @@ async def _run_stages(ws, names: list[str], force: bool = False) -> int:
             except ServerStartError as exc:
                 return fail(str(exc), 1)
         elif name in STARTERS:
-            reds = red_prerequisites(name, [pipeline.view(n, jobs.list()) for n in PREREQUISITES.get(name, ())])
+            known = jobs.list()
+            reds = red_prerequisites(name, [pipeline.view(n, known) for n in PREREQUISITES.get(name, ())])
             if reds and not force:
                 named = "; ".join(f"{r.stage} ({last_failure(r) or r.state.value})" for r in reds)
                 return fail(f"not starting {name}: its prerequisite stage(s) are red: {named}. Fix them first "

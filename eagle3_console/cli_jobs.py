@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from engine.stagejobs import DEFAULT_GRACE_S, STOP_GRACE_S, stop_grace  # noqa: F401 - the console's stop asks here
+from engine.stagejobs import stop_grace
 
 def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("jobs", help="list the workspace's jobs, show a job's log, stop a job", parents=[common])

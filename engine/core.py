@@ -28,7 +28,7 @@ from engine.events import (
 from engine.pipeline import Pipeline
 from engine.workspace import LockHolder, Workspace
 from engine.jobs import FINAL_STATES
-from engine.stagejobs import SERVER_USERS, STAGE_JOBS as JOB_STAGES
+from engine.stagejobs import SERVER_USERS, STAGE_JOBS
 from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class Engine:
                         level = {"succeeded": "information", "stopped": "warning"}.get(job.state, "error")
                         reason = f": {job.reason}" if job.reason else ""
                         self.notify(level, f"job {job.id} {job.state}{reason}")
-                        if job.kind in JOB_STAGES:
+                        if job.kind in STAGE_JOBS:
                             self._recheck([job.kind])  # its stage said "running" or "missing" until now
                 previous = states
             changed = first or jobs != self.job_list

@@ -104,7 +104,6 @@ STAGE_JOB_INPUTS: dict[str, tuple[str, ...]] = {
     "train": ("extract", "train"),
     "evaluate": ("train", "evaluate"),
 }
-RUNNING_JOB_STAGES = STAGE_JOBS  # stages made by a job of the same kind
 
 
 def _section_fingerprint(section) -> str:
@@ -130,7 +129,7 @@ def live_report(report: StageReport, config, jobs: Iterable = ()) -> StageReport
     if report.state in (StageState.RUNNING, StageState.UNAVAILABLE):
         return report
     jobs = list(jobs)
-    if report.stage in RUNNING_JOB_STAGES:
+    if report.stage in STAGE_JOBS:
         job = next((j for j in jobs if j.kind == report.stage and j.active), None)
         if job is not None:
             since = job.started_at or job.created_at
@@ -172,7 +171,7 @@ def last_failure(report: StageReport) -> str:
 
 def job_failure_result(stage: str, jobs: Iterable) -> CheckResult | None:
     """A failed check naming why the stage's newest job failed, or None (no job, or it did not fail)."""
-    if stage not in RUNNING_JOB_STAGES:
+    if stage not in STAGE_JOBS:
         return None
     job = next((j for j in jobs if j.kind == stage), None)
     if job is None or job.state not in ("failed", "lost"):
@@ -263,7 +262,7 @@ class Pipeline:
         except Exception as exc:  # a bug in a check must show as a failure, not kill the console
             tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
             results = [failed("internal", f"check crashed: {tb}", "report this as a bug; the log has the traceback")]
-        if stage.name in RUNNING_JOB_STAGES and not stage_state(results).ok:
+        if stage.name in STAGE_JOBS and not stage_state(results).ok:
             results = await asyncio.to_thread(self._with_job_failure, stage.name, list(results))
         seconds = time.time() - started
         from engine.config import ConfigError

@@ -28,8 +28,6 @@ from engine.jsonfile import read_json_object_or_none
 RUN_LOCK = ".extract.lock"  # engine.extract.job.RUN_LOCK, not imported for the same reason
 COMPLETE = "complete.json"  # engine.extract.job.COMPLETE (not imported: that module pulls asyncio job code)
 RELEASING = re.compile(r"^(?P<run>.+)\.releasing-[0-9a-f]{8}$")
-# Jobs that read the configured run's records.
-READER_KINDS = RECORD_READERS
 
 
 class ReleaseError(EngineError):
@@ -257,7 +255,7 @@ def in_use_reason(workspace, name: str) -> str | None:
         changed = os.stat(workspace.config_path).st_mtime
     except OSError:
         changed = float("inf")
-    for kind in READER_KINDS:
+    for kind in RECORD_READERS:
         for job in jobs.active(kind):
             started = job.started_at or job.created_at or 0.0
             if changed >= started:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.capture.layers import default_capture_layers, validate_layers
+from engine.capture.layers import default_capture_layers, to_sglang_numbering, validate_layers
 from engine.errors import EngineError
 
 
@@ -149,12 +149,7 @@ class TargetPlan:
     @property
     def layers_to_capture(self) -> list[int]:
         """SGLang's internal `layers_to_capture` (input of layer j): ours + 1."""
-        return [i + 1 for i in self.capture_layers]
-
-    @property
-    def hf_hidden_state_indices(self) -> list[int]:
-        """transformers `output_hidden_states` indices holding the same tensors: ours + 1."""
-        return [i + 1 for i in self.capture_layers]
+        return to_sglang_numbering(self.capture_layers)
 
     def describe_layers(self) -> str:
         return (f"outputs of decoder layers {list(self.capture_layers)} (0-indexed, {self.capture_source}) = SGLang "

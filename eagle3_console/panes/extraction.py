@@ -23,10 +23,10 @@ from eagle3_console.keys import scroll_bindings
 from eagle3_console.messages import DiskChanged, JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
+from engine.jobs import ACTIVE_STATES
 
 HISTORY = 120  # rate samples kept for the sparklines (one per progress event, ~1/s)
 USER_PAUSE = "paused by the user"  # the reason engine.extract.job gives for the pause flag
-ACTIVE = ("starting", "running")
 
 
 def disk_gauge(usage, width: int, projected_used: int | None = None) -> list[str]:
@@ -280,7 +280,7 @@ class ExtractionPane(Pane):
     # -- read by the app's actions and by tests
     @property
     def running_job_id(self) -> str | None:
-        return self.view.job_id if self.view.job_id and self.view.job_state in ACTIVE else None
+        return self.view.job_id if self.view.job_id and self.view.job_state in ACTIVE_STATES else None
 
     @property
     def user_paused(self) -> bool:

@@ -34,6 +34,7 @@ from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetri
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import esc, set_markup
 from eagle3_console.strip import RateTracker
+from engine.jobs import ACTIVE_STATES
 from engine.jsonl import complete_objects
 
 METRICS_FILE = "metrics.jsonl"
@@ -48,7 +49,6 @@ MARKER_GLYPHS = {"braille": "⣿", "•": "•", "x": "x", "+": "+"}
 SHOWN_POSITIONS = (0, 1, 3, 6)  # a few TTT positions; all of them would be unreadable
 MAX_POINTS = 400  # plotted points per line (older ones are thinned, not dropped from memory)
 ALL_CURVES_MIN_WIDTH = 120
-ACTIVE = ("starting", "running")
 
 
 @dataclass
@@ -289,7 +289,7 @@ class TrainingPane(Pane):
     # -- read by the app's actions and by tests
     @property
     def running_job_id(self) -> str | None:
-        return self.job_id if self.job_id and self.job_state in ACTIVE else None
+        return self.job_id if self.job_id and self.job_state in ACTIVE_STATES else None
 
     def cycle_curve(self) -> None:
         self.curve = CURVES[(CURVES.index(self.curve) + 1) % len(CURVES)]

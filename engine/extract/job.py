@@ -162,12 +162,13 @@ class Extractor:
         from engine.client import ServerClient
         from engine.config import ConfigError
         from engine.server.drift import RESTART_FIX, describe, drift, reported_drift, wanted_spec
-        from engine.server.manager import ACTIVE, ServerManager
+        from engine.jobs import ACTIVE_STATES
+        from engine.server.manager import ServerManager
 
         manager = ServerManager(self.ws)
         record = manager.record()
         job = manager.job()
-        ours = job is not None and job.state in ACTIVE
+        ours = job is not None and job.state in ACTIVE_STATES
         try:
             spec, _ = wanted_spec(self.ws.root, capture=True)
         except ConfigError:

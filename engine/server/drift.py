@@ -133,6 +133,17 @@ def _running_capture(record: dict, info: dict | None) -> tuple[str | None, str |
     return (_path(spool) if spool else None), (_layers(layers) if layers is not None else None)
 
 
+def _capture_differences(record: dict, info: dict | None, spec) -> list[Difference]:
+    """The capture's layers and spool (as the server reports or recorded them) against the spec's."""
+    spool, layers = _running_capture(record, info)
+    found = []
+    if layers is not None and layers != _layers(spec.capture_layers):
+        found.append(Difference("model.capture_layers", layers, _layers(spec.capture_layers)))
+    if spool is not None and spool != _path(spec.spool_dir):
+        found.append(Difference("extract.spool_dir", spool, _path(spec.spool_dir)))
+    return found
+
+
 def compare(record: dict, spec, config, info: dict | None = None) -> list[Difference]:
     """The differences between a running server (its record, and /server_info when given) and the
     launch `spec` that console.toml (`config`) asks for now."""
@@ -170,11 +181,8 @@ def compare(record: dict, spec, config, info: dict | None = None) -> list[Differ
     if capturing != bool(spec.capture):
         add("capture", "capture on" if capturing else "capture off", "capture on" if spec.capture else "capture off")
     elif spec.capture:
-        spool, layers = _running_capture(record, info)
-        if layers is not None and layers != _layers(spec.capture_layers):
-            add("model.capture_layers", layers, _layers(spec.capture_layers))
-        if spool is not None and spool != _path(spec.spool_dir):
-            add("extract.spool_dir", spool, _path(spec.spool_dir))
+        for difference in _capture_differences(record, info, spec):
+            add(difference.setting, difference.running, difference.wanted)
 
     # The API key (the record keeps a fingerprint; older records have none: not compared).
     if "api_key_sha256" in record and record["api_key_sha256"] != api_key_fingerprint(config.server.api_key):
@@ -212,11 +220,11 @@ def drift(manager, info: dict | None = None) -> list[Difference]:
     """The differences between the server `manager` runs now and console.toml on disk; [] when no
     server of this workspace runs or console.toml cannot be read (its own checks say why)."""
     from engine.config import ConfigError
-    from engine.server.manager import ACTIVE
+    from engine.jobs import ACTIVE_STATES
 
     record = manager.record()
     job = manager.job()
-    if job is None or job.state not in ACTIVE:
+    if job is None or job.state not in ACTIVE_STATES:
         return []
     capture = bool(record.get("capture", True))
     root = manager.workspace.root
@@ -279,9 +287,4 @@ def reported_drift(info: dict, spec) -> list[Difference]:
     capture = info.get("capture")
     if isinstance(capture, dict) and not capture.get("enabled"):
         return found + [Difference("capture", "capture off", "capture on")]
-    spool, layers = _running_capture({}, info)
-    if layers is not None and layers != _layers(spec.capture_layers):
-        found.append(Difference("model.capture_layers", layers, _layers(spec.capture_layers)))
-    if spool is not None and spool != _path(spec.spool_dir):
-        found.append(Difference("extract.spool_dir", spool, _path(spec.spool_dir)))
-    return found
+    return found + _capture_differences({}, info, spec)

@@ -21,7 +21,6 @@ from engine.server.spec import LaunchSpec
 from engine.errors import EngineError
 
 STATE_FILE = "server.json"
-ACTIVE = ACTIVE_STATES  # a server job's states while it lives
 INFO_REFRESH_S = 30.0  # the watcher re-reads /server_info this often (it is fixed per server process)
 
 
@@ -152,7 +151,7 @@ class ServerManager:
 
     def is_running(self) -> bool:
         job = self.job()
-        return job is not None and job.state in ACTIVE
+        return job is not None and job.state in ACTIVE_STATES
 
     def spec(self, capture: bool = True) -> LaunchSpec:
         return build_spec(self.workspace, capture=capture)
@@ -174,7 +173,7 @@ class ServerManager:
     async def start(self, capture: bool = True, timeout: float | None = None, restarts: int | None = None) -> ServerStatus:
         """Start the server and wait until it generates; raise ServerStartError fast on failure."""
         current = self.job()
-        if current is not None and current.state in ACTIVE:
+        if current is not None and current.state in ACTIVE_STATES:
             return await self.poll()
         from engine.config import ConfigError
         from engine.server.drift import api_key_fingerprint
@@ -243,7 +242,7 @@ class ServerManager:
     async def stop(self, grace: float = 15.0) -> ServerStatus:
         self._write_record(desired="stopped")
         job = self.job()
-        if job is not None and job.state in ACTIVE:
+        if job is not None and job.state in ACTIVE_STATES:
             await self.jobs.stop(job.id, grace=grace)
         return await self.poll()
 
@@ -273,7 +272,7 @@ class ServerManager:
         if job is None:
             return self._remember_idle(key, ServerStatus(state="stopped", **base))
         base.update(job_id=job.id, pid=job.pid)
-        if job.state not in ACTIVE:
+        if job.state not in ACTIVE_STATES:
             tail = tuple(job.last_log_lines or self.jobs.tail(job.id, 10))
             crashed = rec.get("desired") == "running"
             return self._remember_idle(key, ServerStatus(
@@ -403,7 +402,7 @@ async def wait_until_ready(jobs: JobManager, job_id: str, client, timeout: float
     try:
         while True:
             job = await asyncio.to_thread(jobs.get, job_id)
-            if job.state not in ACTIVE:
+            if job.state not in ACTIVE_STATES:
                 tail = jobs.tail(job_id, 20)
                 reason = _failure_reason(tail) or f"server exited with code {job.exit_code}"
                 raise ServerStartError(f"server failed to start: {reason}", tail)
