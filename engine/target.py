@@ -126,13 +126,11 @@ class TargetPlan:
 
     model_dir: Path
     architecture: str
-    model_type: str
     text_config_key: str | None  # "text_config" for multimodal wrappers, else None
     num_layers: int
     hidden_size: int
     vocab_size: int
     dtype: str | None
-    tie_word_embeddings: bool
     capture_layers: tuple[int, ...]  # ours: outputs of these decoder layers
     capture_source: str  # "model.capture_layers" or "default [1, L//2-1, L-4]"
     text: dict[str, Any]  # the text model's config (flattened for multimodal wrappers)
@@ -225,10 +223,8 @@ def plan_target(model_dir: Path, configured_layers: list[int] | tuple[int, ...] 
         except ValueError as exc:
             raise TargetError(f"{exc}; EAGLE-3 needs a bigger target") from None
     plan = TargetPlan(
-        model_dir=model_dir, architecture=architecture, model_type=str(data.get("model_type", "")),
-        text_config_key=key, num_layers=layers, hidden_size=hidden, vocab_size=vocab,
-        dtype=text.get("torch_dtype") or text.get("dtype"),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", data.get("tie_word_embeddings", False))),
+        model_dir=model_dir, architecture=architecture, text_config_key=key, num_layers=layers,
+        hidden_size=hidden, vocab_size=vocab, dtype=text.get("torch_dtype") or text.get("dtype"),
         capture_layers=tuple(ours), capture_source=source, text=text,
     )
     try:
