@@ -137,6 +137,10 @@ def test_flag_ids_follow_the_architectures_rule(ws, tmp_path):
     configure(ws, model__capture_layers=[0, 4, 6])
     with pytest.raises(ConfigError, match="layer 0's output"):
         spec_for(ws)
+    from engine.checks.model import check_model
+
+    [layers_check] = [r for r in check_model(CheckContext(ws)) if r.name == "capture_layers"]
+    assert layers_check.status.value == "fail" and "the first 1 or more" in layers_check.fix
 
 
 @pytest.mark.parametrize("architecture, why", [("OPTForCausalLM", "by keyword"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
-from engine.target import TargetError, plan_target, text_config
+from engine.target import LayerIdRule, TargetError, layer_id_rule, plan_target, text_config
 
 
 def _weights_evidence(model_dir: Path) -> tuple[bool, str]:
@@ -53,8 +53,10 @@ def check_model(ctx: CheckContext) -> list[CheckResult]:
     try:
         plan = plan_target(model_dir, list(cfg.model.capture_layers))
     except TargetError as exc:
+        first = " (the first 1 or more: this architecture's SGLang rule shifts a list starting at 1 again)" \
+            if layer_id_rule(architecture) is LayerIdRule.ADD_ONE_IF_FIRST_IS_ONE else ""
         results.append(failed("capture_layers", str(exc),
-                              f"use three increasing ids in 0..{layers - 2}, or [] for the default"))
+                              f"use three increasing ids in 0..{layers - 2}{first}, or [] for the default"))
     else:
         results.append(passed("capture_layers", plan.describe_layers()))
         refusal = plan.sglang_refusal() if cfg.model.backend == "sglang" else None
