@@ -201,6 +201,11 @@ class EvaluateConfig:
     sweep_steps: list[int] = setting(factory=lambda: [1, 2, 3, 4, 5],
                                      help="speculative steps tried (top-k 1) for the recommendation; [] = only "
                                           "spec_steps")
+    # Each entry launches one speculative SGLang server: keep the list short for a large target.
+    sglang_sweep: list[list[int]] = setting(factory=lambda: [[1, 1, 2], [2, 1, 3], [3, 1, 4], [5, 4, 8]],
+                                            help="SGLang backend: [steps, topk, draft_tokens] settings tried for "
+                                                 "the recommendation, one server launch each; [] = only "
+                                                 "spec_steps/spec_topk/spec_draft_tokens")
 
 
 @dataclass
@@ -402,9 +407,34 @@ def _check_section(file: Path, name: str, section: Any) -> None:
             nccl.get_preset(section.nccl_preset)
         except ValueError as exc:
             raise ConfigError(file, "gpu.nccl_preset", "unknown NCCL preset", str(exc), section.nccl_preset) from None
+    if name == "evaluate":
+        for i, entry in enumerate(section.sglang_sweep):
+            problem = sglang_setting_problem(entry)
+            if problem:
+                raise ConfigError(file, f"evaluate.sglang_sweep[{i}]", problem,
+                                  "write [steps, topk, draft_tokens]: [3, 1, 4] (top-k 1 verifies steps + 1 tokens) "
+                                  "or e.g. [5, 4, 8] (top-k above 1: 2 to topk + (steps-1)*topk^2 + 1 tokens)", entry)
     if name == "server" and section.host not in ("127.0.0.1", "localhost", "::1"):
         # Allowed, but only when asked for explicitly: the caller shows a warning.
         pass
+
+
+def sglang_setting_problem(entry: list[int]) -> str:
+    """Why [steps, topk, draft_tokens] is not a speculative setting SGLang serves as written ("" if it is).
+
+    SGLang silently rewrites draft_tokens to steps + 1 at top-k 1, and picks its draft tokens from
+    topk + (steps-1)*topk^2 candidates, so a larger count fails at the first request."""
+    if len(entry) != 3:
+        return "must hold three integers [steps, topk, draft_tokens]"
+    steps, topk, draft = entry
+    if not (1 <= steps <= 64 and 1 <= topk <= 64):
+        return "steps and topk must each be from 1 to 64"
+    if topk == 1 and draft != steps + 1:
+        return f"with top-k 1 SGLang verifies steps + 1 = {steps + 1} tokens, not {draft}"
+    most = topk + (steps - 1) * topk * topk + 1
+    if not 2 <= draft <= min(most, 1024):
+        return f"draft_tokens must be from 2 to {min(most, 1024)} for {steps} steps at top-k {topk}"
+    return ""
 
 
 def parse_config(text: str, file: Path | str = CONFIG_NAME) -> Config:
