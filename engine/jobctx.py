@@ -17,8 +17,10 @@ Inside a job (the manager sets EAGLE3_JOB_DIR):
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any, Mapping
 
 from engine.atomic import append_line, write_json
 from engine.jsonfile import read_json_object
+from engine.jobevents import JobEvent, MalformedEvent, parse_event
 from engine.jsonl import dumps_line
 from engine.errors import EngineError
 
@@ -114,12 +117,27 @@ class JobContext:
         return self.job_dir / EVENTS_FILE
 
     def event(self, type: str, /, **data: Any) -> None:
-        """Append one event. Each call fsyncs, so report at a human rate (not per token). A non-finite
-        number is written as text ("NaN", "Infinity"): the line stays strict JSON."""
+        """Append one event of the contract in engine.jobevents (`type` is its KIND). Each call fsyncs,
+        so report at a human rate (not per token). A non-finite number is written as text ("NaN",
+        "Infinity"): the line stays strict JSON."""
         if "t" in data or "type" in data:
             raise ValueError("event data must not use the reserved keys 't' or 'type'")
         record = {"t": time.time(), "type": type, **data}
-        append_line(self.events_path, dumps_line(record, default=str))
+        # Read back as the console will read it (values JSON-encoded first), then written from the
+        # dataclass: writer and readers share the field names. A field of the wrong type is the
+        # job's bug: said in its log, and the line is still written (a report is never dropped).
+        decoded = json.loads(dumps_line(record, default=str))
+        try:
+            decoded = parse_event(decoded).to_dict()
+        except MalformedEvent as exc:
+            print(f"job event not per the contract (engine.jobevents), written as given: {exc}",
+                  file=sys.stderr, flush=True)
+        append_line(self.events_path, dumps_line(decoded))
+
+    def emit(self, event: JobEvent) -> None:
+        """Append one typed event (engine.jobevents), stamped with the time now."""
+        data = {k: v for k, v in event.to_dict().items() if k not in ("t", "type")}
+        self.event(event.kind, **data)
 
     def progress(self, done: int | float, total: int | float | None, /, **extra: Any) -> None:
         self.event("progress", done=done, total=total, **extra)
