@@ -11,6 +11,7 @@ lives; the manager again only once the supervisor is gone (lost, or SIGKILLed on
 from __future__ import annotations
 
 import asyncio
+import builtins
 import enum
 import os
 import re
@@ -321,6 +322,7 @@ class JobManager:
         )
         return JobInfo.from_record(info.dir, record)
 
+    # Below this method, `list` in an annotation names it; those annotations say builtins.list.
     def list(self) -> list[JobInfo]:
         """All jobs, newest first. Folders without a readable record are skipped.
 
@@ -356,14 +358,14 @@ class JobManager:
         infos.sort(key=lambda i: (i.created_at or 0.0, i.id), reverse=True)
         return infos
 
-    def active(self, kind: str | None = None) -> list[JobInfo]:
+    def active(self, kind: str | None = None) -> builtins.list[JobInfo]:
         """Jobs starting or running, optionally of one kind."""
         return [i for i in self.list() if i.active and (kind is None or i.kind == kind)]
 
-    def tail(self, job_id: str, n: int = 50) -> list[str]:
+    def tail(self, job_id: str, n: int = 50) -> builtins.list[str]:
         return tail_lines(self._job_dir(job_id) / LOG_FILE, n)
 
-    def events(self, job_id: str, since_offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    def events(self, job_id: str, since_offset: int = 0) -> tuple[builtins.list[dict[str, Any]], int]:
         """Complete events after byte `since_offset`, and the offset to pass next time.
 
         A line still being written (no newline yet) is left for the next call; a
@@ -381,7 +383,7 @@ class JobManager:
 
     # ---- looking inside -------------------------------------------------------------
 
-    def dump_stacks(self, job_id: str) -> list[int]:
+    def dump_stacks(self, job_id: str) -> builtins.list[int]:
         """Ask a running job to write every thread's stack to its log (SIGUSR1, see
         engine.jobctx); returns the pids signalled. Under torchrun the ranks are signalled, never
         torchrun itself (SIGUSR1 would kill it) nor anything below the ranks (compile workers)."""

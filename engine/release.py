@@ -213,7 +213,7 @@ def newer_verified_run(workspace, name: str) -> RunInfo | None:
     output_dir = output_dir_of(workspace)
     target = describe_run(output_dir, name)
     since = target.since
-    candidates = []
+    candidates: list[tuple[float, RunInfo]] = []
     for child in _scan(output_dir):
         if child.name == name or RELEASING.match(child.name):
             continue
@@ -222,8 +222,8 @@ def newer_verified_run(workspace, name: str) -> RunInfo | None:
         except ReleaseError:
             continue
         if info.state == "complete" and info.finished_at is not None and (since is None or info.finished_at > since):
-            candidates.append(info)
-    for info in sorted(candidates, key=lambda r: r.finished_at, reverse=True):  # hash the newest first
+            candidates.append((info.finished_at, info))
+    for _, info in sorted(candidates, key=lambda c: c[0], reverse=True):  # hash the newest first
         try:
             checked = describe_run(output_dir, info.name, verify=True)
         except ReleaseError:

@@ -7,6 +7,7 @@ measurement cannot tell). A report of another export or target is amber "stale".
 
 from __future__ import annotations
 
+from typing import Any
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
@@ -125,7 +126,7 @@ def _correctness(report: dict) -> CheckResult:
         return warned("greedy", "outputs were not compared with plain greedy decoding", RUN_FIX)
     if matches == compared:
         return passed("greedy", f"speculative output = greedy output on {matches}/{compared} prompts")
-    bad = next((p for p in report.get("prompts") or [] if p.get("matches_greedy") is False), {})
+    bad: dict[str, Any] = next((p for p in report.get("prompts") or [] if p.get("matches_greedy") is False), {})
     evidence = (f"speculative output differs from greedy on {compared - matches}/{compared} prompts "
                 f"(first: {bad.get('id')} at token {bad.get('first_mismatch')})")
     dtype = (report.get("target") or {}).get("dtype")
