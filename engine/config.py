@@ -182,6 +182,13 @@ class TrainConfig:
     eval_fraction: float = setting(0.05, low=0, high=0.9, help="fraction of records held out for validation")
     num_gpus: int = setting(1, low=1, high=1024, help="GPUs to train on")
     seed: int = setting(0, low=0, high=2**32 - 1, help="random seed for data order and initialisation")
+    # README "Training modes": offline reads extracted records; online captures each epoch into a bounded
+    # window and deletes each record once trained; hybrid keeps what the window holds across epochs.
+    mode: str = setting("offline", choices=("offline", "online", "hybrid"),
+                        help="offline: train on extracted records; online: capture states from the server each "
+                             "epoch into a bounded window; hybrid: keep what the window holds, capture the rest")
+    window_gb: float = setting(1.0, low=0.0001, high=_BIG,
+                               help="online/hybrid: GB (10^9 bytes) of captured states on disk at once")
 
 
 @dataclass
@@ -250,7 +257,8 @@ def _declared() -> dict[str, Setting]:
             if spec is None:  # programming error: every key needs its declaration
                 raise TypeError(f"{cls.__name__}.{f.name} is not declared with setting()")
             tp = hints[f.name]
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            factory: Any = f.default_factory
+            default = factory() if f.default is dataclasses.MISSING else f.default
             if tp in (int, float) and (spec.low is None or spec.high is None):
                 raise TypeError(f"{name}.{f.name}: a numeric setting needs both bounds")
             table[f"{name}.{f.name}"] = dataclasses.replace(spec, key=f"{name}.{f.name}", type=tp, default=default)
@@ -262,13 +270,13 @@ SETTINGS: dict[str, Setting] = _declared()
 
 # Views kept for callers of the earlier tables.
 for _name, _cls in SECTIONS.items():
-    _cls.CHOICES = {k.partition(".")[2]: s.choices for k, s in SETTINGS.items()
-                    if s.choices and k.partition(".")[0] == _name}
+    setattr(_cls, "CHOICES", {k.partition(".")[2]: s.choices for k, s in SETTINGS.items()
+                              if s.choices and k.partition(".")[0] == _name})
 _MINIMUMS: dict[tuple[str, str], float] = {
-    tuple(k.split(".", 1)): s.low for k, s in SETTINGS.items() if s.low is not None}
+    (k.partition(".")[0], k.partition(".")[2]): s.low for k, s in SETTINGS.items() if s.low is not None}
 _MAXIMUMS: dict[tuple[str, str], float] = {
-    tuple(k.split(".", 1)): s.high for k, s in SETTINGS.items() if s.high is not None}
-_NAME_KEYS = {tuple(k.split(".", 1)) for k, s in SETTINGS.items() if s.run_name}
+    (k.partition(".")[0], k.partition(".")[2]): s.high for k, s in SETTINGS.items() if s.high is not None}
+_NAME_KEYS = {(k.partition(".")[0], k.partition(".")[2]) for k, s in SETTINGS.items() if s.run_name}
 
 
 def config_comments() -> dict[str, str]:
