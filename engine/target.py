@@ -190,6 +190,27 @@ def _text_config(data: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return dict(data), None
 
 
+SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0  # JSON `true` is no size
+
+
+def config_sizes(text: dict[str, Any]) -> tuple[int, int, int] | None:
+    """The text config's layer count, hidden size and vocabulary size; None unless all three are
+    positive integers."""
+    if bad_sizes(text):
+        return None
+    layers, hidden, vocab = (int(text[name]) for name in SIZE_FIELDS)
+    return layers, hidden, vocab
+
+
+def bad_sizes(text: dict[str, Any]) -> list[str]:
+    """`name=value` for each of SIZE_FIELDS that is not a positive integer."""
+    return [f"{name}={text.get(name)!r}" for name in SIZE_FIELDS if not _is_size(text.get(name))]
+
+
 def text_config(model_dir: Path) -> dict[str, Any]:
     """The text model's config.json (flattened for multimodal wrappers); TargetError when unreadable."""
     return _text_config(read_config(model_dir))[0]
@@ -200,13 +221,11 @@ def plan_target(model_dir: Path, configured_layers: list[int] | tuple[int, ...] 
     model_dir = Path(model_dir)
     data = read_config(model_dir)
     text, key = _text_config(data)
-    layers, hidden, vocab = text.get("num_hidden_layers"), text.get("hidden_size"), text.get("vocab_size")
-    bad = [f"{name}={value!r}" for name, value in
-           (("num_hidden_layers", layers), ("hidden_size", hidden), ("vocab_size", vocab))
-           if isinstance(value, bool) or not isinstance(value, int) or value <= 0]
-    if bad:
-        raise TargetError(f"{model_dir}/config.json gives {', '.join(bad)}; it must give positive integers for "
-                          "num_hidden_layers, hidden_size and vocab_size (in text_config for multimodal models)")
+    sizes = config_sizes(text)
+    if sizes is None:
+        raise TargetError(f"{model_dir}/config.json gives {', '.join(bad_sizes(text))}; it must give positive "
+                          "integers for num_hidden_layers, hidden_size and vocab_size (in text_config for multimodal models)")
+    layers, hidden, vocab = sizes
     architectures = data.get("architectures") or []
     architecture = str(architectures[0]) if architectures else "?"
     if configured_layers:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
-from engine.target import LayerIdRule, TargetError, layer_id_rule, plan_target, text_config
+from engine.dataset.tokenize import chat_token_ids
+from engine.target import (SIZE_FIELDS, LayerIdRule, TargetError, config_sizes, layer_id_rule, plan_target,
+                           text_config)
 
 
 def _weights_evidence(model_dir: Path) -> tuple[bool, str]:
@@ -40,10 +42,11 @@ def check_model(ctx: CheckContext) -> list[CheckResult]:
         text = text_config(model_dir)
     except TargetError as exc:
         return results + [failed("config", str(exc), "point model.path at a complete Hugging Face model directory")]
-    layers, hidden, vocab = text.get("num_hidden_layers"), text.get("hidden_size"), text.get("vocab_size")
-    if not all(isinstance(v, int) and v > 0 for v in (layers, hidden, vocab)):
-        return results + [failed("config", f"num_hidden_layers={layers}, hidden_size={hidden}, vocab_size={vocab}",
+    sizes = config_sizes(text)
+    if sizes is None:
+        return results + [failed("config", ", ".join(f"{name}={text.get(name)}" for name in SIZE_FIELDS),
                                  "config.json must give positive integers for these three fields")]
+    layers, hidden, vocab = sizes
     architecture = (text.get("architectures") or ["?"])[0]
     results.append(passed("config", f"{architecture}: {layers} layers, hidden {hidden}, vocab {vocab}"))
 
@@ -83,10 +86,7 @@ def _tokenizer_check(model_dir: Path) -> CheckResult:
                       "add the serving chat template (tokenizer_config.json 'chat_template') — training data must be "
                       "tokenised exactly as the server will see it")
     try:
-        ids = tok.apply_chat_template([{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}],
-                                      tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
+        ids = chat_token_ids(tok, [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}])
     except Exception as exc:
         return failed("tokenizer", f"chat template failed to render: {exc}", "fix the chat template")
     if not ids:

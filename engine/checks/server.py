@@ -6,6 +6,7 @@ import time
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
+from engine.dataset.tokenize import chat_token_ids
 
 START_FIX = "start it: `eagle3-console server start` or `s` on the Server pane"
 
@@ -16,10 +17,7 @@ def probe_prompt_ids(workspace) -> list[int]:
 
     tok = AutoTokenizer.from_pretrained(str(workspace.model_dir), local_files_only=True)
     messages = [{"role": "user", "content": "Which GPU is busiest, and how much memory is free on it?"}]
-    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    return chat_token_ids(tok, messages, add_generation_prompt=True)
 
 
 def settings_check(differences: list) -> CheckResult:

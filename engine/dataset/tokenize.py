@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 from engine.errors import EngineError
 
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -74,6 +74,16 @@ def mask_method(tokenizer) -> str:
 
 def _render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def chat_token_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
+    """One conversation rendered and tokenised by the chat template, as plain ids."""
+    rendered: object = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    if isinstance(rendered, Mapping):  # newer transformers return a BatchEncoding
+        rendered = rendered["input_ids"]
+    if not isinstance(rendered, list):
+        raise TypeError(f"the chat template gave {type(rendered).__name__}, not a list of token ids")
+    return [int(i) for i in rendered]
 
 
 def assistant_spans(tokenizer, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
