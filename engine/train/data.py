@@ -14,8 +14,11 @@ which trains one extra position at the start of each reply and one past its end.
 from __future__ import annotations
 
 import hashlib
+import queue
 import random
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -40,10 +43,22 @@ class Batch:
     def tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def to(self, device, dtype=None) -> "Batch":
-        cast = (lambda t: t.to(device, dtype=dtype, non_blocking=True)) if dtype else (lambda t: t.to(device))
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), cast(self.aux), cast(self.hidden),
-                     self.lengths.to(device))
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def to(self, device, dtype=None, non_blocking: bool = False) -> "Batch":
+        """A copy on `device`. non_blocking only overlaps anything when the source is pinned."""
+        def move(t: torch.Tensor, cast: bool) -> torch.Tensor:
+            return t.to(device, dtype=dtype if cast else None, non_blocking=non_blocking or (cast and dtype is not None))
+
+        return Batch(move(self.input_ids, False), move(self.loss_mask, False), move(self.aux, True),
+                     move(self.hidden, True), move(self.lengths, False))
+
+    def is_pinned(self) -> bool:
+        return all(t.is_pinned() for t in self.tensors())
+
+    def pin_memory(self) -> "Batch":
+        return Batch(*(t.pin_memory() for t in self.tensors()))
 
 
 def _is_eval(sample_id: str, fraction: float) -> bool:
@@ -98,22 +113,25 @@ class RecordData:
         self._verified.add(entry.id)
         return tensors
 
-    def collate(self, entries: list[RecordEntry]) -> Batch:
+    def collate(self, entries: list[RecordEntry], pin: bool = False) -> Batch:
+        """Pad `entries` into one batch; pin=True builds it in page-locked memory (CUDA only), which a
+        non-blocking copy to the GPU needs to overlap and which saves pinning it afterwards."""
         samples = [self.load(e) for e in entries]
         lengths = [min(int(s["input_ids"].shape[0]), self.max_len) for s in samples]
         t = max(lengths)
         b = len(samples)
         h = self.hidden_size
-        ids = torch.zeros(b, t, dtype=torch.int64)
-        mask = torch.zeros(b, t, dtype=torch.bool)
-        aux = torch.zeros(b, t, 3 * h, dtype=samples[0]["aux_hidden_state"].dtype)
-        hid = torch.zeros(b, t, h, dtype=samples[0]["hidden_state"].dtype)
+        ids = torch.zeros(b, t, dtype=torch.int64, pin_memory=pin)
+        mask = torch.zeros(b, t, dtype=torch.bool, pin_memory=pin)
+        aux = torch.zeros(b, t, 3 * h, dtype=samples[0]["aux_hidden_state"].dtype, pin_memory=pin)
+        hid = torch.zeros(b, t, h, dtype=samples[0]["hidden_state"].dtype, pin_memory=pin)
         for i, (s, n) in enumerate(zip(samples, lengths)):
             ids[i, :n] = s["input_ids"][:n]
             mask[i, :n] = s["loss_mask"][:n].bool()
             aux[i, :n] = s["aux_hidden_state"][:n]
             hid[i, :n] = s["hidden_state"][:n]
-        return Batch(ids, mask, aux, hid, torch.tensor(lengths, dtype=torch.int64))
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        return Batch(ids, mask, aux, hid, lens.pin_memory() if pin else lens)
 
     def epoch_order(self, seed: int, epoch: int) -> list[RecordEntry]:
         """Shuffled train order, a pure function of (seed, epoch): resume replays it exactly."""
@@ -124,6 +142,119 @@ class RecordData:
     def batches_per_epoch(self, batch_size: int, world: int = 1) -> int:
         per_step = batch_size * world
         return max(1, len(self.train_entries) // per_step)
+
+
+class _Failed:
+    """What the loader thread hands over instead of a batch when loading raised."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class BatchPrefetcher:
+    """The batches of steps `steps`, in order, ready on `device` before they are asked for.
+
+    A thread calls `load(step)` (reading, hashing and padding records) up to `depth` steps ahead. On
+    CUDA the batch is in page-locked memory (pinned here unless `load` built it so) and its copy to the
+    GPU is issued on a side stream one step ahead, so it runs under the previous step's kernels instead
+    of stalling the step as a pageable copy does. The consumer's stream waits for that copy's event
+    only (not for the next batch's copy queued behind it), and each tensor is marked as used by the
+    consumer's stream so the allocator does not hand its memory to the side stream while a step still
+    reads it. On the CPU this is the plain path on a thread: `load(step)` as is.
+
+    A loader exception reaches the consumer, with its message, at the step that needed the batch.
+    `close()` (or leaving the `with` block) stops and joins the thread, whatever it was doing."""
+
+    def __init__(self, load: Callable[[int], Batch], steps: range, device: torch.device | str, depth: int = 2):
+        self.load = load
+        self.steps = steps
+        self.device = torch.device(device)
+        self.gpu = self.device.type == "cuda"
+        self._ready: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._stream = torch.cuda.Stream(self.device) if self.gpu else None
+        # (batch on the device, copy-done event) for the next step, already on its way
+        self._staged: tuple[Batch, torch.cuda.Event | None] | _Failed | None = None
+        self._handed = 0
+        self._thread = threading.Thread(target=self._produce, name="train-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        for step in self.steps:
+            try:
+                batch = self.load(step)
+                if self.gpu and not batch.is_pinned():
+                    batch = batch.pin_memory()
+                item: Batch | _Failed = batch
+            except BaseException as exc:  # handed to the consumer, raised there
+                item = _Failed(exc)
+            while not self._stop.is_set():
+                try:
+                    self._ready.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or isinstance(item, _Failed):
+                return
+
+    def _take(self) -> Batch | _Failed:
+        while True:
+            try:
+                return self._ready.get(timeout=0.05)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._ready.empty():
+                    return _Failed(RuntimeError("the batch loader thread ended before the last step"))
+
+    def _stage(self) -> None:
+        batch = self._take()
+        if isinstance(batch, _Failed) or self._stream is None:
+            self._staged = batch if isinstance(batch, _Failed) else (batch.to(self.device), None)
+            return
+        with torch.cuda.stream(self._stream):
+            on_device = batch.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self._staged = (on_device, done)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._handed >= len(self.steps):
+            raise StopIteration
+        if self._staged is None:
+            self._stage()
+        staged = self._staged
+        self._staged = None
+        if isinstance(staged, _Failed):
+            raise staged.exc  # at the step whose batch failed, not the one before it
+        assert staged is not None
+        batch, done = staged
+        self._handed += 1
+        if self.gpu and self._handed < len(self.steps):
+            self._stage()  # the next copy is queued now and runs under this step's kernels
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            for t in batch.tensors():
+                t.record_stream(current)
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # unblock a put waiting on a full queue
+            try:
+                self._ready.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()
+        self._staged = None
+
+    def __enter__(self) -> "BatchPrefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @dataclass

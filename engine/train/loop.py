@@ -18,7 +18,6 @@ import os
 import random
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from engine import atomic
 from engine.jsonl import dumps_line
 from engine.target import TargetError, plan_target, sglang_layer_ids
 from engine.train import checkpoint as ckpt
-from engine.train.data import RecordData, Teacher, TrainDataError
+from engine.train.data import BatchPrefetcher, RecordData, Teacher, TrainDataError
 from engine.train.loss import STAT_FIELDS, TTTModel, summarize
 from engine.train.model import DraftConfig, Eagle3Drafter
 from engine.train.vocab import build_vocab, draft_vocab_size, validate_vocab
@@ -151,7 +150,10 @@ class Trainer:
         hidden = target.hidden_size
         run_dir = self.ws.hidden_dir
         try:
-            self.data = RecordData(run_dir, hidden, self.cfg.max_len, self.cfg.eval_fraction)
+            if self.online:
+                self.data = self._online_data()
+            else:
+                self.data = RecordData(run_dir, hidden, self.cfg.max_len, self.cfg.eval_fraction)
         except RecordError as exc:
             raise TrainError(f"{exc}; run the extraction first") from None
         except TrainDataError as exc:
@@ -184,7 +186,7 @@ class Trainer:
         self.teacher = Teacher(head.to(self.device, torch.bfloat16 if self.gpu else torch.float32),
                                vocab.hot_ids)
         self.ttt = TTTModel(self.model, self.cfg.ttt_steps, self.backend, compile_head=compile_head_wanted(self.gpu))
-        self.ddp = self.ttt
+        self.ddp: torch.nn.Module = self.ttt
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -208,6 +210,39 @@ class Trainer:
             # Lines past the starting step come from a run that died before checkpointing them
             # (even before its first checkpoint): they are redone, so drop them (no duplicates).
             self._trim_metrics()
+
+    @property
+    def online(self) -> bool:
+        """train.mode online or hybrid: states captured from the server while training (engine.train.online)."""
+        return self.cfg.mode in ("online", "hybrid")
+
+    def _online_data(self):
+        from engine.target import TargetError, workspace_plan
+        from engine.train.online import OnlineData
+
+        if self.world > 1:
+            raise TrainError(f"train.mode = {self.cfg.mode!r} trains on one process so far (train.num_gpus = "
+                             f"{self.cfg.num_gpus}): set train.num_gpus = 1, or train.mode = \"offline\"")
+        try:
+            target = workspace_plan(self.ws)  # the layers the server captures: console.toml's
+        except TargetError as exc:
+            raise TrainError(f"cannot plan the target: {exc}") from None
+        return OnlineData(self.ws, target, self.cfg.max_len, self.cfg.eval_fraction, self.cfg.batch_size,
+                          ctx=self.ctx, event=self.event)
+
+    def _data_position(self) -> dict:
+        """Where the data stands at this step: the next step trains sample `next_index` of epoch `epoch`'s
+        order onwards (a pure function of the step; stored in checkpoints and shown on resume)."""
+        epoch, index = divmod(self.step, self.steps_per_epoch)
+        return {"mode": self.cfg.mode, "epoch": epoch, "next_index": index * self.cfg.batch_size * self.world}
+
+    def _start_stream(self, limit: int) -> None:
+        """Online: start capturing the batches of the steps ahead (the ones `_batch_entries` names)."""
+        if self.online and self.step < limit:
+            self.data.start(self._batch_entries, self.step, limit)
+
+    def _data_progress(self) -> dict:
+        return self.data.progress_fields(self.step, self.steps_per_epoch) if self.online else {}
 
     def _check_numbers(self) -> None:
         """The trainer's own guard (whatever the config validation lets through): a learning rate that is
@@ -237,7 +272,7 @@ class Trainer:
 
             return DraftVocab(tensors["d2t"], tensors["t2d"], float(tensors["coverage"]))
         try:
-            counts = load_token_counts(run_dir)
+            counts = self.data.token_counts() if self.online else load_token_counts(run_dir)
         except RecordError as exc:
             raise TrainError(str(exc)) from None
         vocab = build_vocab(counts, size)
@@ -256,7 +291,7 @@ class Trainer:
             "best_step": self.best_step,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if self.gpu else None},
-            "config": self.model.cfg.to_dict(), "total_steps": self.total_steps,
+            "config": self.model.cfg.to_dict(), "total_steps": self.total_steps, "data": self._data_position(),
         }
 
     def save_checkpoint(self) -> Path | None:
@@ -321,7 +356,7 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         if self.gpu and state["rng"]["cuda"] is not None:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        self.event("resumed", step=self.step)
+        self.event("resumed", step=self.step, **self._data_position())
 
     def _apply_config_learning_rate(self) -> None:
         """The checkpoint restores the learning rate it was taken with; train.learning_rate wins (lowering it
@@ -454,7 +489,7 @@ class Trainer:
                          "t": time.time(), **summary})
             self.event("eval", step=self.step, sim_al=summary["sim_al"], loss=summary["loss"])
         improved = self.is_main and source is not None and source["sim_al"] > self.best_sim_al
-        if improved:
+        if improved and source is not None:
             self.best_sim_al, self.best_step = source["sim_al"], self.step
         self.save_checkpoint()  # carries the best so far: a resumed run compares against it
         if improved:
@@ -480,34 +515,37 @@ class Trainer:
         try:
             return self._run()
         finally:
+            if self.online and isinstance(getattr(self, "data", None), RecordData):
+                self.event("window", **self.data.close())  # stream/ emptied; kept/ stays
             if lock is not None:
                 lock.release()
 
     def _run(self) -> int:
         self.setup()
         self.event("started", step=self.step, total_steps=self.total_steps, train=len(self.data.train_entries),
-                   eval=len(self.data.eval_entries), device=str(self.device), world=self.world, backend=self.backend)
+                   eval=len(self.data.eval_entries), device=str(self.device), world=self.world, backend=self.backend,
+                   **self._data_position(), **(self.data.plan_fields() if self.online else {}))
         limit = self.total_steps if self.max_steps is None else min(self.total_steps, self.step + self.max_steps)
         window, tokens, grad_norm, last_summary = None, 0, 0.0, None
-        self.nonfinite_streak, first_nonfinite = 0, None
+        self.nonfinite_streak, first_nonfinite = 0, 0  # 0: no non-finite step yet
         t0 = time.perf_counter()
         saved_at = self.step
-        # The next step's records are read, hashed and padded on a thread while this step trains (a
-        # step's batch is a pure function of the step number, so resume replays the same batches).
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-prefetch") as prefetch:
-            upcoming = prefetch.submit(self.data.collate, self._batch_entries(self.step)) if self.step < limit else None
+        self._start_stream(limit)
+        # The next steps' records are read, hashed and padded (into pinned memory on CUDA) on a thread and
+        # copied to the GPU under the previous step (a step's batch is a pure function of the step
+        # number, so resume replays the same batches).
+        load = lambda step: self.data.collate(self._batch_entries(step), pin=self.gpu)  # noqa: E731
+        with BatchPrefetcher(load, range(self.step, limit), self.device) as batches:
             while self.step < limit:
                 if self._should_stop():
                     if not self.nonfinite_streak and self.weights_finite():
                         self.save_checkpoint()
                     self.event("stopped", step=self.step)
                     return 0
-                batch = upcoming.result()
-                if self.step + 1 < limit:
-                    upcoming = prefetch.submit(self.data.collate, self._batch_entries(self.step + 1))
+                batch = next(batches)
                 stats, grad_norm = self.train_step(batch)
                 if self.step_finite:
-                    self.nonfinite_streak, first_nonfinite = 0, None
+                    self.nonfinite_streak, first_nonfinite = 0, 0
                 else:
                     self.nonfinite_streak += 1
                     first_nonfinite = first_nonfinite or self.step
@@ -524,7 +562,8 @@ class Trainer:
                                  "tokens_per_s": rate, **summary})
                     if self.ctx is not None and self.is_main:
                         self.ctx.progress(self.step, self.total_steps, loss=round(summary["loss"], 4),
-                                          sim_al=round(summary["sim_al"], 3), tokens_per_s=round(rate, 1))
+                                          sim_al=round(summary["sim_al"], 3), tokens_per_s=round(rate, 1),
+                                          **self._data_progress())
                     window, tokens, t0 = None, 0, time.perf_counter()
                 if self.nonfinite_streak >= NONFINITE_LIMIT:
                     raise self._nonfinite_failure(first_nonfinite, self.nonfinite_streak, grad_norm)
