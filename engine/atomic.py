@@ -93,8 +93,8 @@ def publish_via_path(path: str | os.PathLike, writer: Callable[[str], None]) -> 
         raise
 
 
-def write_with(path: str | os.PathLike, writer: Callable[[IO[bytes]], None], mode: int = 0o644) -> None:
-    """Write `path` atomically; `writer` receives a binary file object."""
+def write_with(path: str | os.PathLike, writer: Callable[[IO[bytes]], object], mode: int = 0o644) -> None:
+    """Write `path` atomically; `writer` receives a binary file object (what it returns is ignored)."""
 
     def through_handle(tmp: str) -> None:
         with open(tmp, "wb") as handle:

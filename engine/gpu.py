@@ -22,12 +22,12 @@ from typing import Any, Callable
 try:  # nvidia-ml-py is a dependency, but a broken install must not crash the console
     import pynvml
 except Exception:  # pragma: no cover - exercised only on a broken install
-    pynvml = None  # type: ignore[assignment]
+    pynvml = None
 
 try:
     import psutil
 except Exception:  # pragma: no cover
-    psutil = None  # type: ignore[assignment]
+    psutil = None
 
 
 # ----------------------------------------------------------------------------- data

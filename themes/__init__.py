@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from textual.theme import Theme
 
@@ -59,8 +60,9 @@ def theme_from_toml(path: Path) -> Theme:
     variables = data.get("variables", {})
     if not isinstance(variables, dict) or not all(isinstance(v, str) for v in variables.values()):
         raise ThemeFileError(f"{path}: [variables] must map names to strings")
+    shading: dict[str, Any] = {k: float(data[k]) for k in ("luminosity_spread", "text_alpha") if k in data}
     theme = Theme(name=name.strip(), dark=bool(data.get("dark", True)), variables=dict(variables), **colours,
-                  **{k: float(data[k]) for k in ("luminosity_spread", "text_alpha") if k in data})
+                  **shading)
     try:
         theme.to_color_system().generate()  # bad colour strings fail here, not at first paint
     except Exception as exc:
