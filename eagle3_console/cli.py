@@ -196,147 +196,94 @@ def cmd_check(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from engine.workspace import WorkspaceLock
-
     ws = _open_workspace(args)
     try:
         names = _stage_list(args.stages)
     except KeyError as exc:
         return fail(exc.args[0])
-    lock = WorkspaceLock(ws.root)
-    if not lock.acquire():
-        return fail(f"{lock.holder_text('another console')} drives this workspace: run stages there")
-    return asyncio.run(_run_stages(ws, names, force=args.force))
+    return asyncio.run(_run(ws, names, force=args.force))
 
 
-async def _run_stages(ws, names: list[str], force: bool = False) -> int:
-    from engine.checks.context import CheckContext
-    from engine.jobs import JobManager
-    from engine.pipeline import Pipeline, get_stage, last_failure
-    from engine.server.manager import ServerManager, ServerStartError
-    from engine.stagejobs import PREREQUISITES, STARTERS, red_prerequisites
+async def _run(ws, names: list[str], force: bool = False) -> int:
+    from engine.core import Engine
 
-    pipeline = Pipeline(CheckContext(ws))
-    jobs = JobManager(ws.jobs_dir)
-    for name in names:
-        stage = get_stage(name)
-        report = await pipeline.run_stage(name)
-        if report.state.value == "passed":
-            _print_report(report)
-            continue
-        if name == "server":
+    engine = Engine(ws, drive=True)
+    try:
+        if engine.read_only:
+            return fail(f"{_holder(engine)} drives this workspace: run stages there")
+        printer = RunPrinter()
+        code = 0
+        async for item in engine.run_stages(names, force=force):
+            code = printer.show(item)
+        return code
+    finally:
+        await engine.close()
+
+
+def _holder(engine) -> str:
+    return engine.lock_holder.describe() if engine.lock_holder else "another console"
+
+
+class RunPrinter:
+    """Prints `run`'s progress items (engine.runner): reports, the job's one-line progress bar redrawn
+    in place, its other events, and why the run stopped. `show` returns the exit code so far."""
+
+    def __init__(self) -> None:
+        self.bar = ""  # the progress line on screen, not yet ended by a newline
+
+    def _line(self, text: str) -> None:
+        print(("\n" if self.bar else "") + text, flush=True)
+        self.bar = ""
+
+    def show(self, item) -> int:
+        from engine import runner
+
+        if isinstance(item, runner.StageResult):
+            _print_report(item.report)
+        elif isinstance(item, runner.StartingServer):
             print("starting the server…", flush=True)
-            try:
-                await ServerManager(ws, jobs).start()
-            except ServerStartError as exc:
-                return fail(str(exc), 1)
-        elif name in STARTERS:
-            known = jobs.list()
-            reds = red_prerequisites(name, [pipeline.view(n, known) for n in PREREQUISITES.get(name, ())])
-            if reds and not force:
-                named = "; ".join(f"{r.stage} ({last_failure(r) or r.state.value})" for r in reds)
-                return fail(f"not starting {name}: its prerequisite stage(s) are red: {named}. Fix them first "
-                             f"(eagle3-console check {' '.join(r.stage for r in reds)}), run them in the same "
-                             f"command (eagle3-console run {' '.join(r.stage for r in reds)} {name}), or pass --force")
-            job = STARTERS[name](ws, jobs)
-            print(f"{name}: job {job.id} (detached; Ctrl-C stops watching, not the job)", flush=True)
-            await _follow(jobs, job.id)
-        report = await pipeline.run_stage(name)
-        _print_report(report)
-        if report.state.value not in ("passed", "warned") or stage.checks is None:
-            print(f"stopping at stage '{name}': it is not green", file=sys.stderr)
-            return 1
-    return 0
-
-
-async def _follow(jobs, job_id: str) -> None:
-    """Print the job's progress as a one-line bar until it ends."""
-    offset = 0
-    last = ""
-    while True:
-        events, offset = await asyncio.to_thread(jobs.events, job_id, offset)
-        for event in events:
-            kind = event.get("type")
-            if kind == "progress":
-                last = progress_line(event)
-                print("\r" + last, end="", flush=True)
-            elif kind == "finished" and event.get("table"):
-                print(("\n" if last else "") + event["table"], flush=True)
-                last = ""
-            elif kind not in ("metrics",):
-                detail = {k: v for k, v in event.items() if k not in ("t", "type")}
-                print(("\n" if last else "") + f"  [{kind}] {json.dumps(detail)[:200]}", flush=True)
-                last = ""
-        info = await asyncio.to_thread(jobs.get, job_id)
-        if info.state not in ("starting", "running"):
-            print(f"\njob {job_id} {info.state} (exit {info.exit_code})")
-            if info.state != "succeeded":
-                for line in (info.last_log_lines or [])[-10:]:
+        elif isinstance(item, runner.ServerStartFailed):
+            return fail(item.error, 1)
+        elif isinstance(item, runner.PrerequisitesRed):
+            return fail(item.message)
+        elif isinstance(item, runner.JobStarted):
+            print(f"{item.stage}: job {item.job.id} (detached; Ctrl-C stops watching, not the job)", flush=True)
+        elif isinstance(item, runner.JobProgress):
+            self.bar = progress_line(dict(item.event))
+            print("\r" + self.bar, end="", flush=True)
+        elif isinstance(item, runner.JobEventRead):
+            if item.kind == "finished" and item.event.get("table"):
+                self._line(str(item.event["table"]))
+            elif item.kind != "metrics":
+                detail = {k: v for k, v in item.event.items() if k not in ("t", "type")}
+                self._line(f"  [{item.kind}] {json.dumps(detail)[:200]}")
+        elif isinstance(item, runner.JobEnded):
+            job = item.job
+            print(f"\njob {job.id} {job.state} (exit {job.exit_code})")
+            self.bar = ""
+            if job.state != "succeeded":
+                for line in (job.last_log_lines or [])[-10:]:
                     print(f"  | {line}")
-            return
-        await asyncio.sleep(0.5)
+        elif isinstance(item, runner.StageNotGreen):
+            print(f"stopping at stage '{item.stage}': it is not green", file=sys.stderr)
+            return 1
+        return 0
 
 
 def status_data(ws) -> dict:
+    """`status --json`: the engine's snapshot, each job with its latest progress."""
     from engine.core import Engine
 
-    engine = Engine(ws, drive=False)
-    try:
-        gpu = engine.gpu_sampler.sample()
-        disks = engine.disk_sampler.sample()
-        jobs = engine.jobs.list()
-        return {
-            "workspace": str(ws.root),
-            "driver": ws.lock.holder().describe() if ws.lock.holder() and _lock_held(ws) else None,
-            "stages": [r.to_dict() for r in engine.reports()],
-            "jobs": [job_dict(j, with_progress=show_progress(j, jobs)) for j in jobs],
-            "evaluation": _evaluation_summary(ws),
-            "server": _server_dict(ws, asyncio.run(engine.server.poll())),
-            "gpus": gpu.to_dict(),
-            "disk": [_disk_dict(d) for d in disks],
-        }
-    finally:
-        asyncio.run(engine.close())
+    async def snapshot():
+        engine = Engine(ws, drive=False)
+        try:
+            return await engine.status()
+        finally:
+            await engine.close()
 
-
-def _server_dict(ws, status) -> dict:
-    """The server's status; while ours is down, who else holds its port (checks would talk to it)."""
-    data = status.to_dict()
-    if status.state in ("stopped", "crashed"):
-        from engine.client import port_owner
-
-        data["port_owner"] = port_owner(ws.config.server.host, ws.config.server.port)
-    return data
-
-
-def _lock_held(ws) -> bool:
-    from engine.workspace import WorkspaceLock
-
-    probe = WorkspaceLock(ws.root)
-    if probe.acquire():
-        probe.release()
-        return False
-    return True
-
-
-def _evaluation_summary(ws) -> dict | None:
-    """Overall figures of eval/<run>/report.json, or why there are none."""
-    from engine.evaluate.report import ReportError, is_slower, read_report, verdict
-
-    try:
-        report = read_report(ws.eval_dir)
-    except ReportError as exc:
-        return {"available": False, "reason": str(exc)}
-    o = report.get("overall") or {}
-    return {"available": True, "path": str(ws.eval_dir / "report.json"), "backend": report.get("backend"),
-            "prompts": o.get("prompts"), "acceptance_length": o.get("acceptance_length"),
-            "speedup": o.get("speedup"), "slower": is_slower(report), "verdict": verdict(report),
-            "drafter_sha256": (report.get("drafter") or {}).get("sha256")}
-
-
-def _disk_dict(d) -> dict:
-    return {"label": d.label, "path": d.path, "mount": d.mount, "total": d.total, "used": d.used,
-            "free": d.free, "reserve": d.reserve, "below_reserve": d.below_reserve}
+    status = asyncio.run(snapshot())
+    jobs = list(status.jobs)
+    return {**status.to_dict(), "jobs": [job_dict(j, with_progress=show_progress(j, jobs)) for j in jobs]}
 
 
 def cmd_status(args) -> int:
@@ -436,53 +383,60 @@ def cmd_screenshot(args) -> int:
 
 
 def cmd_server(args) -> int:
-    from engine.server.manager import ServerManager, ServerStartError
-
     ws = _open_workspace(args)
-    manager = ServerManager(ws)
-    if args.action == "command":
-        spec = manager.spec(capture=not args.no_capture)
-        if args.json:
-            print(json.dumps(spec.to_json(), indent=2))
-            return 0
-        print("# environment set for the server (plus your own environment)")
-        for key, value in spec.redacted_env_set().items():
-            print(f"export {key}={value}")
-        print("# command")
-        import shlex
+    return asyncio.run(_server(ws, args))
 
-        print(" ".join(shlex.quote(a) for a in spec.redacted_argv()))
-        for note in spec.notes:
-            print(f"# {note}")
-        return 0
-    if args.action == "logs":
-        print("\n".join(manager.logs(args.lines)))
-        return 0
-    if args.action in ("start", "stop"):
-        from engine.workspace import WorkspaceLock
 
-        probe = WorkspaceLock(ws.root)
-        if not probe.acquire():
-            return fail(f"{probe.holder_text('another console')} drives this workspace: "
-                         f"{args.action} the server from that console")
+async def _server(ws, args) -> int:
+    from engine.core import Engine
+    from engine.server.manager import ServerStartError
+
+    changes = args.action in ("start", "stop")
+    engine = Engine(ws, drive=changes)
     try:
-        if args.action == "start":
-            print(f"starting {ws.config.model.backend} server…", flush=True)
-            status = asyncio.run(manager.start(capture=not args.no_capture))
-        elif args.action == "stop":
-            status = asyncio.run(manager.stop())
-        else:
-            status = asyncio.run(manager.poll())
-    except ServerStartError as exc:
-        print(f"eagle3-console: error: {exc}", file=sys.stderr)
-        for line in exc.log_tail[-10:]:
-            print(f"  | {line}", file=sys.stderr)
-        return 1
+        if changes and engine.read_only:
+            return fail(f"{_holder(engine)} drives this workspace: {args.action} the server from that console")
+        if args.action == "command":
+            return _print_command(engine.server.spec(capture=not args.no_capture), args.json)
+        if args.action == "logs":
+            print("\n".join(engine.server.logs(args.lines)))
+            return 0
+        try:
+            if args.action == "start":
+                print(f"starting {ws.config.model.backend} server…", flush=True)
+                status = await engine.start_server(capture=not args.no_capture)
+            elif args.action == "stop":
+                status = await engine.stop_server()
+            else:
+                status = await engine.server.poll()
+        except ServerStartError as exc:
+            print(f"eagle3-console: error: {exc}", file=sys.stderr)
+            for line in exc.log_tail[-10:]:
+                print(f"  | {line}", file=sys.stderr)
+            return 1
+    finally:
+        await engine.close()
     if args.json:
         print(json.dumps(status.to_dict(), indent=2))
     else:
         _print_server(status)
     return 0 if status.state in ("ready", "stopped") else 1
+
+
+def _print_command(spec, as_json: bool) -> int:
+    import shlex
+
+    if as_json:
+        print(json.dumps(spec.to_json(), indent=2))
+        return 0
+    print("# environment set for the server (plus your own environment)")
+    for key, value in spec.redacted_env_set().items():
+        print(f"export {key}={value}")
+    print("# command")
+    print(" ".join(shlex.quote(a) for a in spec.redacted_argv()))
+    for note in spec.notes:
+        print(f"# {note}")
+    return 0
 
 
 def _print_server(status) -> None:

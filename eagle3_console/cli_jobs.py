@@ -6,11 +6,18 @@ session without the console lists them, reads their logs and stops one cleanly."
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
 
-from engine.stagejobs import stop_grace
+from engine.stagejobs import DEFAULT_GRACE_S, STOP_GRACE_S, stop_grace
+
+
+def _grace_help() -> str:
+    kinds = ", ".join(f"{kind} {grace:g}" for kind, grace in STOP_GRACE_S.items() if grace != DEFAULT_GRACE_S)
+    return f"seconds between SIGTERM and SIGKILL (default: {kinds}, others {DEFAULT_GRACE_S:g})"
+
 
 def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("jobs", help="list the workspace's jobs, show a job's log, stop a job", parents=[common])
@@ -28,8 +35,7 @@ def add_jobs_parser(sub, common: argparse.ArgumentParser) -> None:
     q = actions.add_parser("stop", help="SIGTERM (the job checkpoints and exits), SIGKILL after the grace",
                            parents=[common])
     q.add_argument("job_id", metavar="ID", help="job id (as `jobs list` shows it)")
-    q.add_argument("--grace", type=float, default=None,
-                   help="seconds between SIGTERM and SIGKILL (default: extract 60, train 120, others 30)")
+    q.add_argument("--grace", type=float, default=None, help=_grace_help())
 
 
 def cmd_jobs(args) -> int:
@@ -79,6 +85,7 @@ def cmd_jobs(args) -> int:
         print(f"job {info.id} is not running ({info.state}"
               + ("" if info.exit_code is None else f", exit {info.exit_code}") + "): nothing to stop")
         return 0
+    from engine.core import stop_detached_job
     from engine.workspace import WorkspaceLock
 
     probe = WorkspaceLock(ws.root)
@@ -91,7 +98,7 @@ def cmd_jobs(args) -> int:
             return fail("--grace must be >= 0 seconds")
         print(f"stopping {info.kind} job {info.id} (SIGTERM, SIGKILL after {grace:g} s)…", flush=True)
         started = time.monotonic()
-        final = _stop(ws, jobs, info, grace)
+        final = asyncio.run(stop_detached_job(ws, jobs, info.id, grace))
     finally:
         probe.release()
     progress = last_progress(final)
@@ -102,17 +109,3 @@ def cmd_jobs(args) -> int:
             print(f"  | {line}", file=sys.stderr)
     return 0 if not final.active else 1
 
-
-def _stop(ws, jobs, info, grace: float):
-    """The server's job goes through the server manager, which first records that the server is
-    meant to be stopped (else a console's restart policy would take the stop for a crash)."""
-    if info.kind == "server":
-        import asyncio
-
-        from engine.server.manager import ServerManager
-
-        manager = ServerManager(ws, jobs)
-        if manager.record().get("job_id") == info.id:
-            asyncio.run(manager.stop(grace=grace))
-            return jobs.get(info.id)
-    return jobs.stop_sync(info.id, grace=grace)

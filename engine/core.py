@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
-from typing import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from engine.checks.base import StageReport, StageState
 from engine.checks.context import CheckContext
@@ -27,9 +27,14 @@ from engine.events import (
 )
 from engine.pipeline import Pipeline
 from engine.workspace import LockHolder, Workspace
-from engine.jobs import FINAL_STATES
+from engine.jobs import FINAL_STATES, JobInfo, JobManager
 from engine.stagejobs import SERVER_USERS, STAGE_JOBS
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from engine.runner import StageProgress
+    from engine.server.manager import ServerManager
+    from engine.status import EngineStatus
 
 log = logging.getLogger(__name__)
 Listener = Callable[[Event], None]
@@ -44,7 +49,6 @@ class ReadOnlyError(EngineError):
 class Engine:
     def __init__(self, workspace: Workspace, *, drive: bool = True, gpu_sampler=None):
         from engine.disk import DiskSampler
-        from engine.jobs import JobManager
 
         self.workspace = workspace
         self.config = workspace.config
@@ -122,7 +126,8 @@ class Engine:
 
     # -- pollers
     def latest_gpu(self):
-        if self.gpu_snapshot is None:
+        """The GPU poller's last snapshot; sampled now when no poller runs (a headless command)."""
+        if self.gpu_snapshot is None or not self._tasks:
             self.gpu_snapshot = self.gpu_sampler.sample()
         return self.gpu_snapshot
 
@@ -414,9 +419,54 @@ class Engine:
 
         return red_prerequisites(stage, self.reports())
 
-    async def stop_job(self, job_id: str, grace: float = 30.0):
+    async def stop_job(self, job_id: str, grace: float | None = None) -> JobInfo:
+        """SIGTERM the job, SIGKILL after `grace` s (default: its kind's, engine.stagejobs.stop_grace)."""
         self._require_driver("stop a job")
-        return await self.jobs.stop(job_id, grace=grace)
+        return await stop_detached_job(self.workspace, self.jobs, job_id, grace, server=self.server)
+
+    async def run_stages(self, names: list[str], *, force: bool = False) -> AsyncIterator[StageProgress]:
+        """Check each stage; start the server or job a red one needs, follow it, check again; stop at the
+        first stage that stays red. Typed progress items (engine.runner); `force` starts a job even when
+        its prerequisite stages are red."""
+        from engine.runner import run_stages
+
+        self._require_driver("run stages")
+        async for item in run_stages(self, names, force=force):
+            yield item
+
+    async def status(self) -> EngineStatus:
+        """A snapshot of everything `eagle3-console status` shows, read now (no poller needed)."""
+        from engine.status import EngineStatus
+
+        server = await self.server.poll()
+        jobs, gpus, disks, evaluation, driver, owner = await asyncio.to_thread(self._status_parts, server.state)
+        return EngineStatus(workspace=self.workspace.root, driver=driver, stages=tuple(self.reports()), jobs=jobs,
+                            evaluation=evaluation, server=server, port_owner=owner, gpus=gpus, disks=disks)
+
+    def _status_parts(self, server_state: str) -> tuple:
+        """The blocking reads of status(), in a worker thread."""
+        from engine.client import port_owner
+        from engine.status import SERVER_DOWN, evaluation_summary
+
+        jobs = tuple(self.jobs.list())
+        owner = None
+        if server_state in SERVER_DOWN:
+            owner = port_owner(self.config.server.host, self.config.server.port)
+        return (jobs, self.gpu_sampler.sample(), tuple(self.disk_sampler.sample()),
+                evaluation_summary(self.workspace.eval_dir), self._driver(), owner)
+
+    def _driver(self) -> LockHolder | None:
+        """Who drives the workspace: this engine, another live console, or no one."""
+        from engine.workspace import WorkspaceLock
+
+        holder = self.workspace.lock.holder()
+        if holder is None or not self.read_only:
+            return holder
+        probe = WorkspaceLock(self.workspace.root)  # the lock file outlives its holder: is it held now?
+        if probe.acquire():
+            probe.release()
+            return None
+        return holder
 
     def set_paused(self, job_id: str, paused: bool) -> None:
         """Ask a pausable job (extraction) to hold after its requests in flight, or to go on."""
@@ -433,5 +483,20 @@ class Engine:
         return [j for j in self.job_list if j.active]
 
 
-def open_engine(root: Path | str, *, drive: bool = True) -> Engine:
-    return Engine(Workspace(root), drive=drive)
+async def stop_detached_job(workspace: Workspace, jobs: JobManager, job_id: str, grace: float | None = None, *,
+                            server: ServerManager | None = None) -> JobInfo:
+    """SIGTERM a job's process group, SIGKILL it after `grace` s (default: its kind's grace from
+    engine.stagejobs), and return its final record. The server's job goes through the server manager,
+    which first records that the server is meant to be down (else a console's restart policy would take
+    the stop for a crash). Reads no console.toml: a job stays stoppable while the config is broken."""
+    from engine.server.manager import ServerManager
+    from engine.stagejobs import stop_grace
+
+    info = await asyncio.to_thread(jobs.get, job_id)
+    wait = stop_grace(info.kind) if grace is None else grace
+    if info.kind == "server":
+        manager = server or ServerManager(workspace, jobs)
+        if manager.record().get("job_id") == info.id:
+            await manager.stop(grace=wait)
+            return await asyncio.to_thread(jobs.get, info.id)
+    return await jobs.stop(info.id, grace=wait)
