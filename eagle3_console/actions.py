@@ -359,7 +359,7 @@ class JobActions:
 
         def answered(yes: bool | None) -> None:
             if yes:
-                self._run(self._guarded("stopping extraction", self.engine.stop_job(job_id, grace=60)),
+                self._run(self._guarded("stopping extraction", self.engine.stop_job(job_id)),
                           "stopping extraction")
 
         self.push_screen(ConfirmScreen(f"Stop extraction job {job_id}?", body), answered)
@@ -387,7 +387,7 @@ class JobActions:
 
         def answered(yes: bool | None) -> None:
             if yes:
-                self._run(self._guarded("stopping training", self.engine.stop_job(job_id, grace=120)),
+                self._run(self._guarded("stopping training", self.engine.stop_job(job_id)),
                           "stopping training")
 
         self.push_screen(ConfirmScreen(f"Stop training job {job_id}?", body, warning), answered)
