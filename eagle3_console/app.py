@@ -19,7 +19,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
@@ -35,12 +35,17 @@ from eagle3_console.keys import bindings
 from eagle3_console.layout import PaneDeck, layout_for
 from eagle3_console.messages import (
     DiskChanged,
+    EvaluationReportChanged,
+    FollowLog,
     GpuChanged,
     JobEventsArrived,
+    JobLogChanged,
     JobsChanged,
+    ReloadEvaluation,
     RunChecks,
     ServerChanged,
     StageChanged,
+    TrainingMetricsArrived,
 )
 from eagle3_console.panes import (
     EvaluationPane,
@@ -51,9 +56,11 @@ from eagle3_console.panes import (
     ServerPane,
     TrainingPane,
 )
+from eagle3_console.panes.base import Pane
 from eagle3_console.fmt import finite
 from eagle3_console.strip import JobProgress, StatusStrip
 from eagle3_console.tabs import SHORT_LABELS, SHORT_TABS_BELOW, TABS
+from engine.jobevents import Paused, Progress, Resumed
 
 ENGINE_START_DELAY_S = 0.1  # after the first paint: the footer is rebuilt just after it
 TTY_CHECK_S = 1.0  # how often the app checks that its terminal is still there (then closes cleanly)
@@ -78,11 +85,10 @@ class ConsoleApp(JobActions, App[int]):
         super().__init__()
         self.engine = engine
         self.workspace = engine.workspace
-        self._unsubscribe = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._closed = False
         self.engine_closed = False  # the engine's pollers stopped and the lock released
         self.hung_up = False
-        self._evaluate_seen: tuple[str, str] | None = None
         self.theme_errors: list[str] = []
         self.theme_names = self._register_themes()
         wanted = self.engine.config.ui.theme
@@ -133,9 +139,9 @@ class ConsoleApp(JobActions, App[int]):
             yield ServerPane()
             yield PipelinePane(stages(), engine.reports())
             yield ExtractionPane()
-            yield TrainingPane(drafter_dir=self.workspace.drafter_dir, poll_s=engine.config.ui.refresh_s)
-            yield EvaluationPane(eval_dir=self.workspace.eval_dir)
-            yield JobsPane(tail=engine.jobs.tail, poll_s=engine.config.ui.refresh_s)
+            yield TrainingPane()  # the panes read no file: the engine's watchers send what they show
+            yield EvaluationPane()
+            yield JobsPane()
         yield ConsoleFooter(compact=True)  # room for the active pane's keys at 80 columns
 
     async def on_mount(self) -> None:
@@ -226,12 +232,15 @@ class ConsoleApp(JobActions, App[int]):
     def _on_engine_event(self, event) -> None:
         from engine.events import (
             DiskUpdated,
+            EvaluationReport,
             GpuUpdated,
             JobEvents,
+            JobLogTail,
             JobsUpdated,
             Notice,
             ServerUpdated,
             StageUpdated,
+            TrainingMetrics,
         )
 
         strip = self.query_one(StatusStrip)
@@ -256,13 +265,20 @@ class ConsoleApp(JobActions, App[int]):
             self.query_one(ServerPane).post_message(ServerChanged(event.status))
             self._strip_server(event.status)
         elif isinstance(event, JobEvents):
-            self.query_one(JobsPane).post_message(JobEventsArrived(event.job_id, event.kind, event.events))
+            arrived = partial(JobEventsArrived, event.job_id, event.kind, event.events, event.history)
+            self.query_one(JobsPane).post_message(arrived())
             self._track_progress(event)
-            pane = {"extract": ExtractionPane, "train": TrainingPane, "evaluate": EvaluationPane}.get(event.kind)
-            if pane is not None:
-                self.query_one(pane).post_message(JobEventsArrived(event.job_id, event.kind, event.events))
-            if event.kind == "evaluate" and any(e.get("type") in ("finished", "error") for e in event.events):
-                self.query_one(EvaluationPane).reload()  # the report was (re)written
+            panes: dict[str, type[Pane]] = {"extract": ExtractionPane, "train": TrainingPane, "evaluate": EvaluationPane}
+            shown_in = panes.get(event.kind)
+            if shown_in is not None:
+                self.query_one(shown_in).post_message(arrived())
+        elif isinstance(event, TrainingMetrics):
+            self.query_one(TrainingPane).post_message(
+                TrainingMetricsArrived(event.records, event.reset, event.latest, event.best))
+        elif isinstance(event, EvaluationReport):  # the engine re-reads it when it changes on disk
+            self.query_one(EvaluationPane).post_message(EvaluationReportChanged(event.report, event.problem))
+        elif isinstance(event, JobLogTail):
+            self.query_one(JobsPane).post_message(JobLogChanged(event.job_id, event.lines))
         elif isinstance(event, Notice):
             severity = event.level if event.level in ("information", "warning", "error") else "information"
             self.notify(event.text, severity=severity)
@@ -275,17 +291,16 @@ class ConsoleApp(JobActions, App[int]):
             progress = self.job_progress[event.job_id] = JobProgress(event.kind, event.job_id)
         changed = False
         for e in event.events:
-            kind = e.get("type")
-            if kind == "progress":
-                progress.done, progress.total = e.get("done"), e.get("total") or progress.total
-                progress.unit = str(e.get("unit") or "")
-                progress.eta_s = finite(e.get("eta_s"))
-                progress.paused = str(e.get("paused") or "")
-                progress.tracker.update(e.get("done"), e.get("total"), e.get("t"))
+            if isinstance(e, Progress):
+                progress.done, progress.total = e.done, e.total or progress.total
+                progress.unit = e.unit or ""
+                progress.eta_s = finite(e.eta_s)
+                progress.paused = e.paused or ""
+                progress.tracker.update(e.done, e.total, e.t)
                 changed = True
-            elif kind == "paused":
-                progress.paused, changed = str(e.get("reason") or "paused"), True
-            elif kind == "resumed":
+            elif isinstance(e, Paused):
+                progress.paused, changed = e.reason or "paused", True
+            elif isinstance(e, Resumed):
                 progress.paused, changed = "", True
         if changed:
             self.query_one(StatusStrip).refresh_strip()
@@ -350,12 +365,17 @@ class ConsoleApp(JobActions, App[int]):
         self.query_one(GpuPane).post_message(JobsChanged(message.jobs))
         for pane in (ExtractionPane, TrainingPane, EvaluationPane):
             self.query_one(pane).post_message(JobsChanged(message.jobs))
-        evaluate = next((j for j in message.jobs if j.kind == "evaluate"), None)
-        seen = (evaluate.id, evaluate.state) if evaluate else None
-        if seen != self._evaluate_seen:
-            if self._evaluate_seen is not None and evaluate is not None and not evaluate.active:
-                self.query_one(EvaluationPane).reload()
-            self._evaluate_seen = seen
+
+    # -- pane requests -> the engine
+    def on_follow_log(self, message: FollowLog) -> None:
+        """The Jobs pane selected a job: the engine follows its log and sends it at once."""
+        message.stop()
+        self.engine.follow_log(message.job_id)
+        self.run_worker(self.engine.refresh_files(), group="engine-files", exit_on_error=False)
+
+    def on_reload_evaluation(self, message: ReloadEvaluation) -> None:
+        message.stop()
+        self.run_worker(self.engine.reload_evaluation(), group="engine-files", exit_on_error=False)
 
     # -- layout
     def on_resize(self, event) -> None:
@@ -371,7 +391,7 @@ class ConsoleApp(JobActions, App[int]):
         short = width < SHORT_TABS_BELOW
         for i, (tab, label) in enumerate(TABS, start=1):
             wanted = f"{i} {SHORT_LABELS[tab] if short else label}"
-            for widget in tabs.query(f"#{tab}"):
+            for widget in tabs.query(f"#{tab}").results(Tab):
                 if str(widget.label) != wanted:
                     widget.label = wanted
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from eagle3_console.fmt import finite
+from engine.jobctx import EVENTS_FILE
+from engine.jobevents import FINAL_KINDS, JobEvent, Paused, Progress, Resumed, parse_event
 
 
 def fail(message: str, code: int = 2) -> int:
@@ -18,17 +20,22 @@ def workspace_arg(args) -> str | None:
     return getattr(args, "workspace", None)
 
 
-def progress_line(event: dict) -> str:
-    done, total = event.get("done") or 0, event.get("total") or 0
+def progress_line(event: Progress | Mapping[str, Any]) -> str:
+    """A progress event as a one-line bar (a mapping is read as a progress line of events.jsonl)."""
+    if not isinstance(event, Progress):
+        parsed = parse_event({**event, "type": "progress"})
+        assert isinstance(parsed, Progress)
+        event = parsed
+    done, total = event.done or 0, event.total or 0
     frac = done / total if total else 0.0
     bar = "█" * int(30 * frac) + "░" * (30 - int(30 * frac))
     extra = []
-    if event.get("tokens_per_s") is not None:
-        extra.append(f"{event['tokens_per_s']:.0f} tok/s")
-    if (eta := finite(event.get("eta_s"))) is not None:
+    if event.tokens_per_s is not None:
+        extra.append(f"{event.tokens_per_s:.0f} tok/s")
+    if (eta := finite(event.eta_s)) is not None:
         extra.append(f"ETA {int(eta)}s")
-    if event.get("paused"):
-        extra.append(f"PAUSED: {event['paused']}")
+    if event.paused:
+        extra.append(f"PAUSED: {event.paused}")
     return f"  {bar} {done}/{total} " + " ".join(extra)
 
 
@@ -46,48 +53,44 @@ def show_progress(job, jobs) -> bool:
     return job.active or newest is job
 
 
-def last_progress(job, tail_bytes: int = 65536) -> dict | None:
-    """The newest `progress` event (plus a pause or end, if newer) from the end of events.jsonl.
+def last_progress(job: Any, tail_bytes: int = 65536) -> dict[str, Any] | None:
+    """The newest `progress` event (plus a pause or end, if newer) from the end of the job's events.jsonl,
+    read by the engine (engine.watchers.last_events: only the file's last `tail_bytes`)."""
+    from engine.watchers import last_events
 
-    Reads only the file's last `tail_bytes`: events files of long runs are large.
-    """
-    path = Path(job.dir) / "events.jsonl"
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, 2)
-            size = handle.tell()
-            handle.seek(max(0, size - tail_bytes))
-            data = handle.read()
-    except OSError:
-        return None
-    progress, last = None, None
-    for line in data.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a torn first or last line
-        if not isinstance(event, dict):
-            continue
-        if event.get("type") == "progress":
+    return progress_summary(last_events(Path(job.dir) / EVENTS_FILE, tail_bytes))
+
+
+PROGRESS_KEYS = ("done", "total", "eta_s", "tokens_per_s", "paused", "loss", "acceptance_length")
+
+
+def progress_summary(events: Sequence[JobEvent]) -> dict[str, Any] | None:
+    """What `status` and `jobs` print of a job's events: its newest progress and its newest pause or end."""
+    progress: Progress | None = None
+    last: JobEvent | None = None
+    for event in events:
+        if isinstance(event, Progress):
             progress = event
-        elif event.get("type") in ("paused", "resumed", "finished", "stopped", "error", "incomplete"):
+        elif isinstance(event, (Paused, Resumed)) or event.kind in FINAL_KINDS:
             last = event
     if progress is None and last is None:
         return None
-    out: dict = {}
+    out: dict[str, Any] = {}
     if progress is not None:
-        for key in ("done", "total", "eta_s", "tokens_per_s", "paused", "loss", "acceptance_length"):
-            if progress.get(key) not in (None, ""):
-                out[key] = progress[key]
-        done, total = progress.get("done"), progress.get("total")
-        if isinstance(done, (int, float)) and isinstance(total, (int, float)) and total:
+        for key in PROGRESS_KEYS:
+            value = getattr(progress, key)
+            if value not in (None, ""):
+                out[key] = value
+        done, total = progress.done, progress.total
+        if done is not None and total:
             out["percent"] = round(100.0 * done / total, 1)
     if last is not None:
-        out["last_event"] = last.get("type")
-        if last.get("type") == "paused":
-            out["paused"] = last.get("reason", "")
-        if last.get("message"):
-            out["message"] = last["message"]
+        out["last_event"] = last.kind
+        if isinstance(last, Paused):
+            out["paused"] = last.reason or ""
+        message = getattr(last, "message", None)
+        if message:
+            out["message"] = message
     return out
 
 

@@ -8,7 +8,7 @@ replace the queued one (`can_replace`) instead of piling up.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from engine.checks.base import StageReport
     from engine.disk import DiskUsage
     from engine.gpu import GpuSnapshot
+    from engine.jobevents import JobEvent
     from engine.jobs import JobInfo
     from engine.server.manager import ServerStatus
 
@@ -90,24 +91,63 @@ class ServerActionFailed(Message, bubble=False):
 
 
 class JobEventsArrived(Message, bubble=False):
-    """New events of one job (dicts from its events.jsonl); never coalesced: they are increments."""
+    """New typed events of one job (engine.jobevents); never coalesced: they are increments.
+    `history`: already in the file when the engine began following it (replayed, not news)."""
 
-    def __init__(self, job_id: str, kind: str, events: tuple) -> None:
+    def __init__(self, job_id: str, kind: str, events: tuple[JobEvent, ...], history: bool = False) -> None:
         super().__init__()
         self.job_id = job_id
         self.kind = kind
         self.events = events
+        self.history = history
 
 
-class TrainingMetricsRead(Message, bubble=False):
-    """Lines read from the drafter's metrics.jsonl by a worker, plus the checkpoint pointers.
+class TrainingMetricsArrived(Message, bubble=False):
+    """New lines of the drafter's metrics.jsonl, plus the checkpoint pointers (engine.events.TrainingMetrics).
 
     `reset` means the file was replaced or truncated (a new run): drop what was shown.
     """
 
-    def __init__(self, records: list, reset: bool, latest: dict | None, best: dict | None) -> None:
+    def __init__(self, records: tuple[dict[str, Any], ...], reset: bool, latest: dict[str, Any] | None,
+                 best: dict[str, Any] | None) -> None:
         super().__init__()
         self.records = records
         self.reset = reset
         self.latest = latest
         self.best = best
+
+
+class EvaluationReportChanged(Message, bubble=False):
+    """The evaluation report as the engine read it, or None with the reason (missing, unreadable)."""
+
+    def __init__(self, report: dict[str, Any] | None, problem: str = "") -> None:
+        super().__init__()
+        self.report = report
+        self.problem = problem
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, EvaluationReportChanged)
+
+
+class ReloadEvaluation(Message):
+    """A request, bubbling up to the app, to have the engine read the evaluation report again."""
+
+
+class JobLogChanged(Message, bubble=False):
+    """The last lines of the followed job's log (engine.events.JobLogTail)."""
+
+    def __init__(self, job_id: str, lines: tuple[str, ...]) -> None:
+        super().__init__()
+        self.job_id = job_id
+        self.lines = lines
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, JobLogChanged)
+
+
+class FollowLog(Message):
+    """A request, bubbling up to the app, to follow this job's log (None: none)."""
+
+    def __init__(self, job_id: str | None) -> None:
+        super().__init__()
+        self.job_id = job_id

@@ -25,7 +25,10 @@ from engine.events import (
     ServerUpdated,
     StageUpdated,
 )
+from engine.jobctx import EVENTS_FILE, LOG_FILE
+from engine.jobevents import Paused
 from engine.pipeline import Pipeline
+from engine.watchers import EventsTail, WorkspaceFiles
 from engine.workspace import LockHolder, Workspace
 from engine.jobs import FINAL_STATES, JobInfo, JobManager
 from engine.stagejobs import SERVER_USERS, STAGE_JOBS
@@ -69,7 +72,11 @@ class Engine:
         self.server_status = None
         self.gpu_snapshot = None
         self.disk_usages: tuple = ()
-        self._event_offsets: dict[str, int] = {}
+        self._event_tails: dict[str, EventsTail] = {}  # job id -> its events.jsonl, followed
+        from engine.evaluate.report import REPORT  # plain Python, no torch
+
+        self.files = WorkspaceFiles(workspace.drafter_dir, workspace.eval_dir, REPORT)
+        self._files_lock = asyncio.Lock()  # one poll at a time: the watchers keep offsets
         self.job_list: tuple = ()
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
@@ -142,14 +149,15 @@ class Engine:
     async def _watch_jobs(self, interval: float = 1.0) -> None:
         """List jobs and read new events every `interval` s; publish only what changed.
 
-        One trip to a worker thread per tick does both (a thread hop costs more than the reads
-        when nothing changed), and JobsUpdated is sent on the first tick and on changes only.
+        The listing goes to a worker thread; events are read by the async tails (engine.watchers).
+        JobsUpdated is sent on the first tick and on changes only.
         """
-        previous: dict[str, str] = {}
+        previous: dict[str, object] = {}
         first = True
         while True:
-            jobs, new_events = await asyncio.to_thread(self._scan_jobs)
-            states = {j.id: j.state for j in jobs}
+            jobs = tuple(await asyncio.to_thread(self.jobs.list))
+            new_events = await self._read_job_events(jobs)
+            states: dict[str, object] = {j.id: j.state for j in jobs}
             if states != previous or not self.job_list:
                 for job in jobs:
                     old = previous.get(job.id)
@@ -180,33 +188,58 @@ class Engine:
                 self._stage_views[report.stage] = shown
                 self._emit(StageUpdated(report=report))
 
-    def _scan_jobs(self) -> tuple[tuple, list]:
-        """(all jobs newest first, [(job, offset before, new events)]): runs in a worker thread.
-
-        Events are streamed for the newest job of each kind (history first, then increments).
-        """
-        jobs = tuple(self.jobs.list())
-        newest: dict[str, object] = {}
+    async def _read_job_events(self, jobs: tuple[JobInfo, ...]) -> list[JobEvents]:
+        """New events of the newest job of each kind (history first, then increments), typed."""
+        newest: dict[str, JobInfo] = {}
         for job in jobs:  # newest first
             newest.setdefault(job.kind, job)
+        for gone in set(self._event_tails) - {j.id for j in newest.values()}:
+            del self._event_tails[gone]
         found = []
         for job in newest.values():
-            offset = self._event_offsets.get(job.id, 0)
-            try:
-                events, new_offset = self.jobs.events(job.id, offset)
-            except LookupError:  # removed between the listing and now
-                continue
-            self._event_offsets[job.id] = new_offset
-            if events:
-                found.append((job, offset, events))
-        return jobs, found
+            tail = self._event_tails.setdefault(job.id, EventsTail(job.dir / EVENTS_FILE))
+            history = tail.tail.identity is None
+            events, skipped, _reset = await tail.read()
+            for line in skipped:
+                log.warning("job %s: events.jsonl line skipped: %s", job.id, line.reason)
+            if events or skipped:
+                found.append(JobEvents(job_id=job.id, kind=job.kind, events=tuple(events), skipped=tuple(skipped),
+                                       history=history))
+        return found
 
-    def _publish_job_events(self, found: list) -> None:
-        for job, offset, events in found:
-            self._emit(JobEvents(job_id=job.id, kind=job.kind, events=tuple(events)))
-            for event in events:
-                if event.get("type") == "paused" and offset:
-                    self.notify("warning", f"{job.kind} paused: {event.get('reason', '')}")
+    def _publish_job_events(self, found: list[JobEvents]) -> None:
+        for batch in found:
+            self._emit(batch)
+            for event in batch.events:
+                if isinstance(event, Paused) and not batch.history:
+                    self.notify("warning", f"{batch.kind} paused: {event.reason or ''}")
+
+    # -- files the jobs write (metrics, the evaluation report, a job's log)
+    async def _watch_files(self) -> None:
+        while True:
+            await self.refresh_files()
+            await asyncio.sleep(self.config.ui.refresh_s)
+
+    async def refresh_files(self, reload_report: bool = False) -> None:
+        """Read what changed in the watched files and publish it (TrainingMetrics, EvaluationReport,
+        JobLogTail). `reload_report`: send the evaluation report even if it looks unchanged."""
+        async with self._files_lock:
+            try:
+                events = await self.files.poll(reload_report=reload_report)
+            except OSError as exc:  # a disk error must not take the watchers down; say it once a tick
+                log.warning("reading the workspace's files failed: %s", exc)
+                return
+        for event in events:
+            self._emit(event)
+
+    async def reload_evaluation(self) -> None:
+        """Read the evaluation report again and publish it, changed or not (the console's `u`)."""
+        await self.refresh_files(reload_report=True)
+
+    def follow_log(self, job_id: str | None, lines: int = 400) -> None:
+        """Publish JobLogTail with the last `lines` lines of this job's log whenever it changes (None: stop)."""
+        path = self.jobs.jobs_dir / job_id / LOG_FILE if job_id else None
+        self.files.follow_log(job_id or "", path, lines)
 
     def _on_server(self, status) -> None:
         previous = self.server_status
@@ -308,6 +341,7 @@ class Engine:
             asyncio.create_task(self.gpu_sampler.watch(self._on_gpu), name="gpu-sampler"),
             asyncio.create_task(self.disk_sampler.watch(self._on_disk), name="disk-sampler"),
             asyncio.create_task(self._watch_jobs(), name="job-watcher"),
+            asyncio.create_task(self._watch_files(), name="file-watcher"),
             asyncio.create_task(self._watch_server(), name="server-watcher"),
         ]
 

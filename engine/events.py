@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # the payloads' own modules import heavier things; the types 
     from engine.checks.base import StageReport
     from engine.disk import DiskUsage
     from engine.gpu import GpuSnapshot
+    from engine.jobevents import JobEvent, Skipped
     from engine.jobs import JobInfo
     from engine.server.manager import ServerStatus
 
@@ -52,8 +53,41 @@ class ServerUpdated(Event):
 
 @dataclass(frozen=True)
 class JobEvents(Event):
-    """New lines of a job's events.jsonl (progress, metrics, paused, finished, ...)."""
+    """New lines of a job's events.jsonl as typed events (engine.jobevents: Progress, Paused,
+    Finished, ...); `skipped`: complete lines that broke the contract, with why. `history`: the
+    events were already in the file when the engine began following it (replayed, not news)."""
 
     job_id: str
-    kind: str
-    events: tuple[dict[str, Any], ...]
+    kind: str  # the job's kind (extract, train, evaluate, ...), not an event's
+    events: tuple[JobEvent, ...]
+    skipped: tuple[Skipped, ...] = ()
+    history: bool = False
+
+
+@dataclass(frozen=True)
+class TrainingMetrics(Event):
+    """New lines of the drafter's metrics.jsonl (engine.train.loop: type train|eval|failed, step, loss,
+    acc, sim_al, ...) and the checkpoint pointers (checkpoints/latest.json, best.json; None if absent).
+    `reset`: the file was replaced or truncated (a new or resumed run): drop the lines shown before."""
+
+    records: tuple[dict[str, Any], ...]
+    reset: bool
+    latest: dict[str, Any] | None
+    best: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class EvaluationReport(Event):
+    """The evaluation report (engine.evaluate.report's dict) as it is on disk now, or None with the
+    reason (missing, unreadable, not a report)."""
+
+    report: dict[str, Any] | None
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class JobLogTail(Event):
+    """The last lines of the followed job's log (Engine.follow_log), sent when they change."""
+
+    job_id: str
+    lines: tuple[str, ...]

@@ -16,7 +16,8 @@ from pathlib import Path
 from engine.checks.base import CheckResult, StageReport, StageState, Status
 from engine.core import Engine
 from engine.disk import DiskUsage
-from engine.events import DiskUpdated, GpuUpdated, JobEvents, JobsUpdated, ServerUpdated, StageUpdated
+from engine.events import DiskUpdated, GpuUpdated, JobEvents, JobLogTail, JobsUpdated, ServerUpdated, StageUpdated
+from engine.jobevents import JobEvent, parse_many
 from engine.gpu import GpuSample, GpuSnapshot
 from engine.jobs import JobInfo
 from engine.pipeline import stages
@@ -108,7 +109,7 @@ def server_status(state: str = "ready") -> ServerStatus:
                         queued_reqs=12, **common)
 
 
-def extract_events(phase: str) -> tuple[dict, ...]:
+def extract_events(phase: str) -> tuple[JobEvent, ...]:
     """Events like engine.extract.job's: started, progress, then a pause, an error or finished."""
     def progress(done, paused=""):
         return {"type": "progress", "t": T0, "done": done, "total": 2000, "tokens": done * 1500,
@@ -127,7 +128,7 @@ def extract_events(phase: str) -> tuple[dict, ...]:
         events.append({"type": "error", "t": T0, "message": "server at http://127.0.0.1:30000 unreachable for 600 s"})
     elif phase == "done":
         events += [progress(2000), {"type": "finished", "t": T0, "samples": 1998, "bad": 2, "tokens": 3_000_000}]
-    return tuple(events)
+    return tuple(parse_many(events))
 
 
 def write_metrics(drafter_dir: Path, steps: int) -> None:
@@ -206,8 +207,12 @@ def make_app(ws, scene: str) -> ConsoleApp:
     async def no_pollers() -> None:  # the scene publishes fixed events instead
         return None
 
-    engine.start = no_pollers
-    engine.jobs.tail = scene_tail  # the scene's jobs have fixed logs (no job folders)
+    def follow_scene_log(job_id: str | None, lines: int = 400) -> None:
+        if job_id:  # the scene's jobs have fixed logs (no job folders)
+            engine._emit(JobLogTail(job_id=job_id, lines=tuple(scene_tail(job_id, lines))))
+
+    engine.start = no_pollers  # type: ignore[method-assign]  # the scene publishes fixed events
+    engine.follow_log = follow_scene_log  # type: ignore[method-assign]
     return ConsoleApp(engine)
 
 
@@ -251,13 +256,14 @@ async def apply_scene(app: ConsoleApp, pilot, scene: str, tab: str | None = None
             train_events.append({"type": "error", "t": T0, "message": "CUDA out of memory at step 400"})
         elif scene == "done":
             train_events.append({"type": "finished", "t": T0, "export": "drafters/run1/export"})
-        emit(JobEvents("train-20260101-0002", "train", tuple(train_events)))
+        emit(JobEvents("train-20260101-0002", "train", tuple(parse_many(train_events))))
         for report in stage_reports({"running": "mixed", "failed": "mixed", "done": "passed"}[scene]):
             emit(StageUpdated(report))
     from eagle3_console.panes import JobsPane
 
     app.query_one(JobsPane).clock = lambda: T0 + 754  # ages are fixed
     app.query_one(JobsPane)._rebuild()
+    await engine.refresh_files()  # the metrics and report the scene wrote, as the file watcher sends them
     training, evaluation = app.query_one(TrainingPane), app.query_one(EvaluationPane)
     for _ in range(100):
         await pilot.pause(0.02)

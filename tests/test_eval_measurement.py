@@ -368,6 +368,7 @@ async def test_pane_shows_one_row_per_concurrency_on_the_visible_screen(size):
 
     from conftest import screen_text
     from eagle3_console.panes.evaluation import EvaluationPane, progress_text
+    from engine.jobevents import Progress
 
     class Host(App):
         def compose(self):
@@ -387,8 +388,8 @@ async def test_pane_shows_one_row_per_concurrency_on_the_visible_screen(size):
         assert "speculation no longer measurably pays from concurrency" in text
         pane = app.query_one(EvaluationPane)
         assert not app.query_one("#evaluation-verdict").has_class("-slower")
-    assert progress_text({"done": 12, "total": 30, "unit": "requests x rounds", "concurrency": 4, "round": 2,
-                          "rounds": 3, "acceptance_length": 2.345, "speedup": 1.21}) == (
+    assert progress_text(Progress(done=12, total=30, unit="requests x rounds", concurrency=4, round=2,
+                                  rounds=3, acceptance_length=2.345, speedup=1.21)) == (
         "12/30 requests x rounds · concurrency 4 round 2/3 · acceptance length so far 2.35 · "
         "median speedup so far 1.21×")
     assert pane is not None

@@ -4,38 +4,33 @@ recommended SGLang settings per level, then the per-prompt table and acceptance 
 position. While an evaluate job runs: requests x rounds done, the level and round, and the
 running acceptance length.
 
-With `eval_dir`, the pane reads `<eval_dir>/report.json` in a thread worker (never on the UI
-thread): on mount and whenever `reload()` is called (the app calls it when an evaluate job
-ends). The table is wider than 80 columns, so it sits in a container that scrolls sideways
-instead of being cut off.
+The engine watches `report.json` (engine.watchers) and sends it whenever it changes; the pane
+reads no file. `reload()` (the `u` key) asks the engine, through the app, to read it again. The
+table is wider than 80 columns, so it sits in a container that scrolls sideways instead of being
+cut off.
 
 Imports only engine.evaluate.report (plain Python): no torch at console start-up.
 """
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
 from typing import Any
 
-from textual import work
 from textual.app import ComposeResult
 from textual.containers import ScrollableContainer
-from textual.message import Message
 from textual.widgets import Static
 
 from eagle3_console.keys import scroll_bindings
-from eagle3_console.messages import JobEventsArrived, JobsChanged
+from eagle3_console.messages import EvaluationReportChanged, JobEventsArrived, JobsChanged, ReloadEvaluation
 from eagle3_console.panes.base import Pane
 from engine.evaluate import stats
+from engine.jobevents import Error, Progress
 from engine.evaluate.report import (
-    ReportError,
     best_setting,
     fix_line,
     header_line,
     level_lines,
     position_lines,
-    read_report,
     recommendation_lines,
     setting_of,
     table_lines,
@@ -99,15 +94,6 @@ class ReportScroll(ScrollableContainer):
     BINDINGS = scroll_bindings()
 
 
-class EvaluationReportRead(Message, bubble=False):
-    """A worker read report.json: the report, or None with the reason (missing, unreadable)."""
-
-    def __init__(self, report: dict[str, Any] | None, problem: str = "") -> None:
-        super().__init__()
-        self.report = report
-        self.problem = problem
-
-
 class EvaluationPane(Pane):
     """Shows one evaluation report (`show_report(dict)`), or the empty state."""
 
@@ -129,13 +115,11 @@ class EvaluationPane(Pane):
     EvaluationPane #evaluation-notes { height: auto; color: $text-muted; width: 100%; }
     """
 
-    def __init__(self, report: dict[str, Any] | None = None, *, eval_dir: Path | str | None = None,
-                 id: str | None = None, classes: str | None = None) -> None:
+    def __init__(self, report: dict[str, Any] | None = None, *, id: str | None = None,
+                 classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self._report = report
-        self.eval_dir = Path(eval_dir) if eval_dir else None
         self.problem = ""  # why no report is shown ("" when one is, or none was looked for)
-        self._read_lock = threading.Lock()
         self.job_id = ""
         self.job_state = ""
         self.job_progress = ""  # "3/8 prompts · acceptance length 2.1" while an evaluate job runs
@@ -156,29 +140,14 @@ class EvaluationPane(Pane):
     def on_mount(self) -> None:
         self._render_report(self._report)
         self._render_job()
-        if self.eval_dir is not None and self._report is None:
-            self.reload()
 
     @property
     def report(self) -> dict[str, Any] | None:
         return self._report
 
     def reload(self) -> None:
-        """Read report.json again (in a worker); the pane updates when it is read."""
-        if self.eval_dir is not None:
-            self._read_report()
-
-    @work(thread=True, group="evaluation-report", exit_on_error=False)
-    def _read_report(self) -> None:
-        if not self._read_lock.acquire(blocking=False):
-            return  # a read is under way
-        try:
-            report, problem = read_report(self.eval_dir), ""
-        except ReportError as exc:
-            report, problem = None, str(exc)
-        finally:
-            self._read_lock.release()
-        self.post_message(EvaluationReportRead(report, problem))
+        """Have the engine read report.json again (the app forwards this); the pane updates when it comes."""
+        self.post_message(ReloadEvaluation())
 
     # -- the evaluate job (from the app's job list and the job's own events)
     @property
@@ -197,10 +166,10 @@ class EvaluationPane(Pane):
         if message.kind != "evaluate":
             return
         for event in message.events:
-            if event.get("type") == "progress":
+            if isinstance(event, Progress):
                 self.job_progress = progress_text(event)
-            elif event.get("type") == "error":
-                self.job_progress = f"error: {event.get('message', '')}"
+            elif isinstance(event, Error):
+                self.job_progress = f"error: {event.message or ''}"
         self._render_job()
 
     def _render_job(self) -> None:
@@ -221,7 +190,7 @@ class EvaluationPane(Pane):
         if self._report:
             self._render_report(self._report)
 
-    def on_evaluation_report_read(self, message: EvaluationReportRead) -> None:
+    def on_evaluation_report_changed(self, message: EvaluationReportChanged) -> None:
         self.problem = message.problem
         self.show_report(message.report)
         self._render_job()
@@ -259,7 +228,7 @@ class EvaluationPane(Pane):
         kind = verdict_kind(report)
         acceptance = (report.get("overall") or {}).get("acceptance_length")
         al = f"acceptance length {acceptance:.2f} · " if isinstance(acceptance, (int, float)) else ""
-        prefix = {stats.SLOWER: "SLOWER: ", stats.INCONCLUSIVE: "INCONCLUSIVE: "}.get(kind, "")
+        prefix = {stats.SLOWER: "SLOWER: ", stats.INCONCLUSIVE: "INCONCLUSIVE: "}.get(kind or "", "")
         verdict_line.update(prefix + al + verdict(report))
         verdict_line.set_class(kind == stats.SLOWER, "-slower")
         verdict_line.set_class(kind == stats.INCONCLUSIVE, "-inconclusive")
@@ -277,15 +246,15 @@ class EvaluationPane(Pane):
         notes.update("\n".join(f"note: {n}" for n in report.get("notes") or []))
 
 
-def progress_text(event: dict[str, Any]) -> str:
+def progress_text(event: Progress) -> str:
     """A progress event of the evaluate job as one line."""
-    text = f"{event.get('done', '?')}/{event.get('total', '?')} {event.get('unit') or 'prompts'}"
-    if event.get("concurrency") is not None:
-        text += f" · concurrency {event['concurrency']} round {event.get('round')}/{event.get('rounds')}"
-    al = event.get("acceptance_length")
-    if isinstance(al, (int, float)):
-        text += f" · acceptance length so far {al:.2f}"
-    sp = event.get("speedup")
-    if isinstance(sp, (int, float)):
-        text += f" · median speedup so far {sp:.2f}×"
+    done = "?" if event.done is None else event.done
+    total = "?" if event.total is None else event.total
+    text = f"{done}/{total} {event.unit or 'prompts'}"
+    if event.concurrency is not None:
+        text += f" · concurrency {event.concurrency} round {event.round}/{event.rounds}"
+    if event.acceptance_length is not None:
+        text += f" · acceptance length so far {event.acceptance_length:.2f}"
+    if event.speedup is not None:
+        text += f" · median speedup so far {event.speedup:.2f}×"
     return text

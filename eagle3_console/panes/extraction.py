@@ -261,7 +261,7 @@ class ExtractionPane(Pane):
             return
         if message.job_id != self.view.job_id:
             self.view = ExtractionView(job_id=message.job_id)  # its state comes with the next job list
-        for event in message.events:
+        for event in (e.to_dict() for e in message.events):  # this view still reads the dict form
             self.view.apply(event)
             if self.pause_requested is not None and self.user_paused == self.pause_requested:
                 self.pause_requested = None  # the job did what was asked

@@ -4,30 +4,29 @@ The list (newest first) shows state, stage, age, progress, exit code and, for a 
 the reason (its last error line, engine.jobs.JobInfo.reason). Below it the selected job's log
 follows its end like `tail -f` (`f` toggles), scrolls with j/k/PgUp/PgDn once focused (Tab), and
 `/` searches it (n / N: next / previous match). `S` stops the selected job (asks first) and `d`
-has a running job write its threads' stacks into this log (app actions, engine.jobs). The log is
-read by a worker thread once a second, never on the UI thread.
+has a running job write its threads' stacks into this log (app actions, engine.jobs). The pane
+reads no file: it asks the engine (FollowLog, through the app) to follow the selected job's log,
+and the engine sends the log's last lines whenever it grows (engine.watchers).
 """
 
 from __future__ import annotations
 
 import re
-import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from rich.text import Text
-from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.message import Message
 from textual.widgets import DataTable, Input, Static
 
 from eagle3_console.fmt import finite, fmt_duration
 from eagle3_console.keys import nav_bindings, scroll_bindings
-from eagle3_console.messages import JobEventsArrived, JobsChanged
+from eagle3_console.messages import FollowLog, JobEventsArrived, JobLogChanged, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
+from engine.jobevents import Progress
 
 EMPTY_TEXT = "no jobs yet: start one with [b]s[/b] on a stage (Pipeline) or its pane"
 LOG_LINES = 400  # lines of the selected job's log kept on screen
@@ -67,13 +66,6 @@ class LogScroll(VerticalScroll):
     """
 
 
-class JobLogRead(Message, bubble=False):
-    def __init__(self, job_id: str, lines: list[str]) -> None:
-        super().__init__()
-        self.job_id = job_id
-        self.lines = lines
-
-
 class JobsPane(Pane):
     """Jobs list + log tail of the selected job."""
 
@@ -89,10 +81,8 @@ class JobsPane(Pane):
     """
     BINDINGS = [Binding("escape", "close_search", "", show=False)]
 
-    def __init__(self, tail: Callable[[str, int], list[str]] | None = None, poll_s: float = 1.0, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.tail = tail
-        self.poll_s = poll_s
         self.jobs: tuple = ()
         self.progress: dict[str, tuple[float, float | None]] = {}
         self.lines: list[str] = []
@@ -102,7 +92,7 @@ class JobsPane(Pane):
         self.match_index = -1
         self.job_filter = ""  # `/` with the list focused: only jobs whose id, stage, state or reason match
         self._search_mode = "log"
-        self._read_lock = threading.Lock()
+        self._followed: str | None = None  # the job whose log the engine was asked to follow
         self._shown_columns: list[str] = []
         self._progress_width: int | None = None
         self.clock: Callable[[], float] = time.time  # ages are measured against it (fixed in snapshots)
@@ -118,26 +108,26 @@ class JobsPane(Pane):
 
     def on_mount(self) -> None:
         self._rebuild()
-        if self.tail is not None:
-            self.set_interval(self.poll_s, self._poll, name="job-log")
 
     # -- data in
     def on_jobs_changed(self, message: JobsChanged) -> None:
         self.jobs = tuple(message.jobs)
         self._rebuild()
-        self._poll()
+        self._follow()
 
     def on_job_events_arrived(self, message: JobEventsArrived) -> None:
         for event in message.events:
-            if event.get("type") == "progress":
-                done = finite(event.get("done"))
+            if isinstance(event, Progress):
+                done = finite(event.done)
                 if done is not None:
-                    self.progress[message.job_id] = (done, finite(event.get("total")))
+                    self.progress[message.job_id] = (done, finite(event.total))
         if self.jobs and self.shown:
             self._update_cells()
 
     def on_resize(self) -> None:
         self._rebuild()
+        if self.follow and self.lines:  # shown (a tab opened) or resized: the end stays in view
+            self.call_after_refresh(lambda: self.query_one(LogScroll).scroll_end(animate=False))
 
     # -- selection
     def shown_jobs(self) -> tuple:
@@ -170,7 +160,7 @@ class JobsPane(Pane):
         if job is not None and job.id != self.log_job:
             self.lines, self.log_job, self.follow = [], job.id, True
             self._render_log()
-            self._poll()
+            self._follow()
 
     # -- the list
     def _columns(self) -> list[tuple[str, int]]:
@@ -241,31 +231,21 @@ class JobsPane(Pane):
                 continue
 
     # -- the log
-    def _poll(self) -> None:
+    def _follow(self) -> None:
+        """Ask the engine to follow the selected job's log (once per selection)."""
         job = self.selected_job
-        if job is None or self.tail is None or not self.is_mounted:
-            return
-        self._read_log(job.id)
+        wanted = job.id if job is not None else None
+        if wanted != self._followed and self.is_mounted:
+            self._followed = wanted
+            self.post_message(FollowLog(wanted))
 
-    @work(thread=True, group="job-log", exit_on_error=False)
-    def _read_log(self, job_id: str) -> None:
-        if not self._read_lock.acquire(blocking=False):
-            return
-        try:
-            try:
-                lines = list(self.tail(job_id, LOG_LINES))
-            except Exception as exc:  # removed, unreadable: say so in the log area
-                lines = [f"(log unreadable: {exc})"]
-        finally:
-            self._read_lock.release()
-        self.post_message(JobLogRead(job_id, lines))
-
-    def on_job_log_read(self, message: JobLogRead) -> None:
+    def on_job_log_changed(self, message: JobLogChanged) -> None:
         if message.job_id != self.log_job and self.log_job:
             return
         self.log_job = message.job_id
-        if message.lines != self.lines:
-            self.lines = message.lines
+        lines = list(message.lines)
+        if lines != self.lines:
+            self.lines = lines
             self._render_log()
 
     def _render_title(self) -> None:

@@ -4,9 +4,10 @@ The training job appends one JSON line per log step to `<drafter_dir>/metrics.js
 (engine.train.loop): `type` train|eval, `step`, `t`, `loss`, `loss_pos` [per TTT position],
 `acc` [per position], `accept`, `sim_al` (simulated acceptance length), and on train lines
 `lr`, `grad_norm`, `tokens_per_s`; a run that failed ends with a `failed` line (`reason`,
-`message`, e.g. non-finite loss), shown in red. A thread worker reads only the bytes added since
-the last read (a line still being written waits for the next read); a replaced file (a resumed run
-trims it atomically) is read again from the start. Missing keys are shown as "?". Non-finite
+`message`, e.g. non-finite loss), shown in red. The engine follows the file (engine.watchers) and
+sends the lines added (a line still being written waits) and the checkpoint pointers; a replaced
+file (a resumed run trims it atomically) comes again from the start with `reset`. The pane reads
+no file. Missing keys are shown as "?". Non-finite
 values (logged as "NaN"/"Infinity", or bare NaN/Infinity by older runs) are shown as nan/inf and
 never plotted: a curve with no finite point says so instead of drawing.
 
@@ -16,29 +17,23 @@ Keys (app-level, shown while this pane is active): `s` start/resume, `S` stop (a
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import threading
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-from textual import work
 from textual.app import ComposeResult
 from textual.color import Color
 from textual.containers import Horizontal
 from textual.widgets import Static
 
 from eagle3_console.fmt import finite, fmt_count, fmt_duration, fmt_num
-from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetricsRead
+from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetricsArrived
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import esc, set_markup
 from eagle3_console.strip import RateTracker
+from engine.jobevents import Error, Finished, Progress, Started, Stopped
 from engine.jobs import ACTIVE_STATES
-from engine.jsonl import complete_objects
 
-METRICS_FILE = "metrics.jsonl"
-CKPT_DIR = "checkpoints"  # engine.train.checkpoint layout (not imported: it pulls in torch)
 CURVES = ("loss", "acc", "al")
 CURVE_TITLES = {"loss": "loss", "acc": "accuracy per position", "al": "simulated acceptance length"}
 CURVE_YLABELS = {"loss": "loss", "acc": "accuracy", "al": "accept. length"}
@@ -49,47 +44,6 @@ MARKER_GLYPHS = {"braille": "⣿", "•": "•", "x": "x", "+": "+"}
 SHOWN_POSITIONS = (0, 1, 3, 6)  # a few TTT positions; all of them would be unreadable
 MAX_POINTS = 400  # plotted points per line (older ones are thinned, not dropped from memory)
 ALL_CURVES_MIN_WIDTH = 120
-
-
-@dataclass
-class MetricsTail:
-    """Where the reader stopped in metrics.jsonl: the file's identity and the byte offset."""
-
-    inode: int | None = None
-    offset: int = 0
-
-
-def read_new_metrics(path: Path, tail: MetricsTail) -> tuple[list[dict], bool]:
-    """Complete JSON lines added since `tail` (updated in place); True if the file was replaced.
-
-    Runs in a worker thread. A torn last line stays for the next read; a complete line that
-    is not a JSON object is skipped.
-    """
-    try:
-        stat = os.stat(path)
-    except FileNotFoundError:
-        reset = tail.inode is not None
-        tail.inode, tail.offset = None, 0
-        return [], reset
-    reset = tail.inode is not None and (stat.st_ino != tail.inode or stat.st_size < tail.offset)
-    if reset or tail.inode is None:
-        tail.inode, tail.offset = stat.st_ino, 0
-    if stat.st_size == tail.offset:
-        return [], reset
-    with open(path, "rb") as handle:
-        handle.seek(tail.offset)
-        data = handle.read()
-    records, used = complete_objects(data)
-    tail.offset += used
-    return records, reset
-
-
-def read_pointer(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
-        return None
 
 
 @dataclass
@@ -161,8 +115,8 @@ class TrainingView:
 
     @property
     def step(self) -> int | None:
-        steps = [finite(r.get("step")) for r in (self.last_train, self.last_eval) if r]
-        steps = [s for s in steps if s is not None]
+        found = [finite(r.get("step")) for r in (self.last_train, self.last_eval) if r]
+        steps = [s for s in found if s is not None]
         return int(max(steps)) if steps else None
 
     @property
@@ -183,7 +137,7 @@ class TrainingView:
 
 
 class TrainingPane(Pane):
-    """Training curves (textual-plotext) and figures, read from metrics.jsonl by a worker."""
+    """Training curves (textual-plotext) and figures, from the metrics lines the engine sends."""
 
     PANE_ID = "training"
     TITLE = "Training"
@@ -196,20 +150,16 @@ class TrainingPane(Pane):
     TrainingPane.-all-curves #training-plots .curve { display: block; }
     """
 
-    def __init__(self, drafter_dir: Path | str | None = None, poll_s: float = 1.0, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.drafter_dir = Path(drafter_dir) if drafter_dir else None
-        self.poll_s = poll_s
         self.view = TrainingView()
-        self.tail = MetricsTail()
-        self.latest_ckpt: dict | None = None
-        self.best_ckpt: dict | None = None
+        self.latest_ckpt: dict[str, Any] | None = None
+        self.best_ckpt: dict[str, Any] | None = None
         self.job_id = ""
         self.job_state = ""
         self.job_note = ""
         self.curve = "loss"
         self._plots_mounted = False
-        self._read_lock = threading.Lock()  # one read at a time: the offset must not be shared
 
     def compose(self) -> ComposeResult:
         yield Static(
@@ -225,29 +175,9 @@ class TrainingPane(Pane):
     def on_mount(self) -> None:
         self.query_one("#training-plots").display = False
         self.app.theme_changed_signal.subscribe(self, lambda _theme: self._render_plots())
-        if self.drafter_dir is not None:
-            self._poll()
-            self.set_interval(self.poll_s, self._poll, name="training-metrics")
-
-    # -- reading (never on the UI thread)
-    def _poll(self) -> None:
-        self._read_metrics()
-
-    @work(thread=True, group="training-metrics", exit_on_error=False)
-    def _read_metrics(self) -> None:
-        if not self._read_lock.acquire(blocking=False):
-            return  # the previous read is still going (slow disk): skip this tick
-        try:
-            records, reset = read_new_metrics(self.drafter_dir / METRICS_FILE, self.tail)
-            root = self.drafter_dir / CKPT_DIR
-            latest, best = read_pointer(root / "latest.json"), read_pointer(root / "best.json")
-        finally:
-            self._read_lock.release()
-        if records or reset or latest != self.latest_ckpt or best != self.best_ckpt:
-            self.post_message(TrainingMetricsRead(records, reset, latest, best))
 
     # -- messages
-    def on_training_metrics_read(self, message: TrainingMetricsRead) -> None:
+    def on_training_metrics_arrived(self, message: TrainingMetricsArrived) -> None:
         if message.reset:
             total = self.view.total_steps
             self.view = TrainingView(total_steps=total)
@@ -266,18 +196,18 @@ class TrainingPane(Pane):
         if message.kind != "train":
             return
         for event in message.events:
-            kind = event.get("type")
-            if kind in ("started", "progress"):
-                total = event.get("total_steps", event.get("total"))
-                if isinstance(total, (int, float)) and total > 0:
-                    self.view.total_steps = int(total)
-            if kind == "error":
-                self.job_note = f"error: {event.get('message', '')}"
-            elif kind == "finished":
-                self.job_note = f"finished: exported to {event.get('export', '?')}"
-            elif kind == "stopped":
-                self.job_note = f"stopped at step {event.get('step', '?')}; s resumes from the checkpoint"
-            elif kind == "started":
+            total = event.total_steps if isinstance(event, Started) else \
+                event.total if isinstance(event, Progress) else None
+            if total is not None and math.isfinite(total) and total > 0:
+                self.view.total_steps = int(total)
+            if isinstance(event, Error):
+                self.job_note = f"error: {event.message or ''}"
+            elif isinstance(event, Finished):
+                self.job_note = f"finished: exported to {event.export or '?'}"
+            elif isinstance(event, Stopped):
+                step = '?' if event.step is None else event.step
+                self.job_note = f"stopped at step {step}; s resumes from the checkpoint"
+            elif isinstance(event, Started):
                 self.job_note = ""
         self._render_all()
 
@@ -345,7 +275,7 @@ class TrainingPane(Pane):
     def _figure_lines(self) -> list[str]:
         v = self.view
         tr, ev = v.last_train, v.last_eval
-        acc = tr.get("acc") if isinstance(tr.get("acc"), list) else []
+        acc: list[Any] = tr["acc"] if isinstance(tr.get("acc"), list) else []
         acc_text = " ".join(f"{fmt_num(a)}" for a in acc[:7]) or "?"
         loss = f"loss [b]{fmt_num(tr.get('loss'), 3)}[/b]" + (f" (eval {fmt_num(ev.get('loss'), 3)})" if ev else "")
         al = f"sim AL [b]{fmt_num(tr.get('sim_al'))}[/b]" + (f" (eval {fmt_num(ev.get('sim_al'))})" if ev else "")
@@ -372,10 +302,12 @@ class TrainingPane(Pane):
     def _render_plots(self) -> None:
         if self.view.step is None or not self._plots_mounted or not self.query("#plot-loss"):
             return
+        from textual_plotext import PlotextPlot
+
         palette = self._palette()
         wide = self.has_class("-all-curves")
         for name in CURVES:
-            widget = self.query_one(f"#plot-{name}")
+            widget = self.query_one(f"#plot-{name}", PlotextPlot)
             if not wide and name != self.curve:
                 continue
             plt = widget.plt
