@@ -174,3 +174,34 @@ def read_pointer(path):
     return json.loads(path.read_text(encoding="utf-8"))
 '''
     assert file_reads(old_training_pane) == ["3: stat()", "4: open()", "8: read_text()"]
+
+
+async def test_u_has_the_engine_read_the_report_again_even_when_it_looks_unchanged(tmp_path):
+    """`u` on Evaluation: the engine re-reads report.json although its size, mtime and inode did not change
+    (a file rewritten in place within the filesystem's mtime resolution)."""
+    from eagle3_console.app import ConsoleApp
+    from eagle3_console.panes import EvaluationPane
+
+    ws = make_ws(tmp_path)
+    path = ws.eval_dir / "report.json"
+    write_json(path, {"overall": {"acceptance_length": 2.5}, "prompts": []})
+    app = ConsoleApp(Engine(ws))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("6")
+        pane = app.query_one(EvaluationPane)
+        deadline = time.monotonic() + 20
+        while pane.report is None and time.monotonic() < deadline:
+            await pilot.pause(0.05)
+        assert pane.report is not None and pane.report["overall"]["acceptance_length"] == 2.5
+        before = os.stat(path)
+        data = path.read_bytes()
+        with open(path, "r+b") as handle:  # same inode, same size
+            handle.write(data.replace(b"2.5", b"3.5"))
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # same mtime
+        await pilot.pause(2.5)  # a few watcher ticks: nothing looks changed, nothing is re-read
+        assert pane.report["overall"]["acceptance_length"] == 2.5
+        await pilot.press("u")
+        deadline = time.monotonic() + 10
+        while pane.report["overall"]["acceptance_length"] != 3.5 and time.monotonic() < deadline:
+            await pilot.pause(0.05)
+        assert pane.report["overall"]["acceptance_length"] == 3.5
