@@ -225,7 +225,7 @@ def _write_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",  # its name since transformers 4.56 (torch_dtype is deprecated); older ones keep it as an attribute
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
