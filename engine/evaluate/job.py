@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from engine.evaluate.report import (
     EXPORT_DIR,
@@ -30,13 +31,16 @@ class JobError(EngineError):
 
 
 class Evaluation:
-    def __init__(self, workspace, ctx=None, limit: int | None = None):
+    def __init__(self, workspace: Any, ctx: Any = None, limit: int | None = None, launch: Any = None):
+        """`launch`: the SGLang backend's server launcher (engine.evaluate.sglang_eval.Launch);
+        None = supervised jobs running SGLang."""
         self.ws = workspace
         self.cfg = workspace.config
         self.ctx = ctx
         self.limit = limit
+        self.launch = launch
 
-    def event(self, kind: str, **data) -> None:
+    def event(self, kind: str, **data: Any) -> None:
         if self.ctx is not None:
             self.ctx.event(kind, **data)
         else:
@@ -49,7 +53,7 @@ class Evaluation:
     def export_dir(self) -> Path:
         return self.ws.drafter_dir / EXPORT_DIR
 
-    def _check_export(self) -> dict:
+    def _check_export(self) -> dict[str, Any]:
         from engine.train.export import check_export
 
         problems = check_export(self.export_dir)
@@ -68,18 +72,18 @@ class Evaluation:
         tokenizer = load_tokenizer(self.ws.model_dir)
         prompts, skipped = load_prompts(self.ws, tokenizer, self.limit, ev.max_new_tokens)
         backend = self.cfg.model.backend
+        sweep: dict[str, Any] = ({"sglang_sweep": [list(x) for x in ev.sglang_sweep]} if backend == "sglang"
+                                 else {"sweep_steps": list(ev.sweep_steps)})
         self.event("started", backend=backend, prompts=len(prompts), skipped=skipped, export=identity["path"],
-                   sha256=identity["sha256"], rounds=ev.rounds, concurrency=list(ev.concurrency),
-                   sweep_steps=list(ev.sweep_steps))
-        settings = {"spec_steps": ev.spec_steps, "spec_topk": ev.spec_topk, "spec_draft_tokens": ev.spec_draft_tokens,
-                    "max_new_tokens": ev.max_new_tokens, "num_prompts": len(prompts), "skipped_prompts": skipped,
-                    "eval_path": self.cfg.dataset.eval_path}
+                   sha256=identity["sha256"], rounds=ev.rounds, concurrency=list(ev.concurrency), **sweep)
+        settings: dict[str, Any] = {
+            "spec_steps": ev.spec_steps, "spec_topk": ev.spec_topk, "spec_draft_tokens": ev.spec_draft_tokens,
+            "max_new_tokens": ev.max_new_tokens, "num_prompts": len(prompts), "skipped_prompts": skipped,
+            "eval_path": self.cfg.dataset.eval_path, "rounds": ev.rounds, "concurrency": list(ev.concurrency), **sweep}
         started = time.monotonic()
-        levels = load = None
         if backend == "sglang":
-            results, notes, target = self._run_sglang(prompts)
+            results, notes, target, levels, load = self._run_sglang(prompts)
         else:
-            settings.update(rounds=ev.rounds, concurrency=list(ev.concurrency), sweep_steps=list(ev.sweep_steps))
             results, notes, target, levels, load = self._run_local(prompts, tokenizer)
         if not results:
             self.event("stopped", done=0)
@@ -100,23 +104,19 @@ class Evaluation:
                    prompts=o["prompts"], table=render_table(report))
         return 0
 
-    def _progress(self, total: int):
-        state = {"tokens": 0, "verify": 0, "spec_s": 0.0, "base_s": 0.0}
+    def _progress(self, unit: str) -> Callable[[dict[str, Any]], None]:
+        """A progress event with the ETA from the rate so far, in `unit`."""
+        started = time.monotonic()
 
-        def report(done: int, result) -> None:
-            state["tokens"] += result.completion_tokens
-            state["verify"] += result.verify_steps
-            state["spec_s"] += result.spec_seconds
-            state["base_s"] += result.base_seconds
-            al = state["tokens"] / state["verify"] if state["verify"] else None
-            tps = state["tokens"] / state["spec_s"] if state["spec_s"] else None
-            speedup = state["base_s"] / state["spec_s"] if state["spec_s"] else None
-            self.event("progress", done=done, total=total, acceptance_length=_round(al),
-                       tokens_per_s=_round(tps, 1), speedup=_round(speedup))
+        def progress(p: dict[str, Any]) -> None:
+            done, total = p["done"], p["total"]
+            elapsed = time.monotonic() - started
+            eta = elapsed / done * (total - done) if done else None
+            self.event("progress", unit=unit, eta_s=_round(eta, 1), **p)
 
-        return report
+        return progress
 
-    def _run_local(self, prompts, tokenizer):
+    def _run_local(self, prompts: list[Any], tokenizer: Any) -> tuple[Any, ...]:
         from engine.evaluate.local_eval import choose_cpu_threads, load_local, measure_local, precision_note
 
         ev = self.cfg.evaluate
@@ -137,14 +137,7 @@ class Evaluation:
                      "(per-row lengths, finished requests leave the batch; no continuous refill): throughput and "
                      "per-request latency; concurrency 1 uses the batch-1 decoders")
         self.event("loaded", device=setup.device, dtype=setup.dtype, hidden_state_indices=setup.aux_layers)
-        started = time.monotonic()
-
-        def progress(p: dict) -> None:
-            done, total = p["done"], p["total"]
-            elapsed = time.monotonic() - started
-            eta = elapsed / done * (total - done) if done else None
-            self.event("progress", unit="requests x rounds", eta_s=_round(eta, 1), **p)
-
+        progress = self._progress("requests x rounds")
         measured = measure_local(setup, prompts, ev.max_new_tokens, spec_steps=ev.spec_steps,
                                  sweep_steps=list(ev.sweep_steps), rounds=ev.rounds, levels=list(ev.concurrency),
                                  progress=progress, should_stop=self.should_stop)
@@ -158,22 +151,22 @@ class Evaluation:
         target = {"device": setup.device, "dtype": setup.dtype}
         return results, notes, target, measured["levels"], measured["load"]
 
-    def _run_sglang(self, prompts):
+    def _run_sglang(self, prompts: list[Any]) -> tuple[Any, ...]:
         import asyncio
 
         from engine.evaluate.sglang_eval import evaluate_sglang
 
-        results, notes = asyncio.run(evaluate_sglang(
-            self.ws, self.export_dir, prompts, lambda phase: self.event("phase", name=phase), self.should_stop))
-        progress = self._progress(len(prompts))
-        for i, result in enumerate(results):
-            progress(i + 1, result)
-        notes.append("SGLang backend: one round at concurrency 1 (evaluate.rounds, concurrency and sweep_steps are "
-                     "measured on the local backend only so far)")
-        return results, notes, {"server": "sglang"}
+        measured = asyncio.run(evaluate_sglang(
+            self.ws, self.export_dir, prompts, progress=self._progress("requests x rounds x servers"),
+            on_phase=lambda phase: self.event("phase", name=phase), should_stop=self.should_stop, launch=self.launch))
+        notes = list(measured["notes"])
+        if measured["stopped"]:
+            notes.append(f"stopped early: {measured['done']} of {measured['total']} requests x rounds x servers "
+                         "measured")
+        return measured["prompt_results"], notes, {"server": "sglang"}, measured["levels"], measured["load"]
 
 
-def _round(value, digits: int = 3):
+def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 

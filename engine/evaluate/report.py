@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -140,9 +140,12 @@ def build_report(*, backend: str, drafter: dict[str, Any], target: dict[str, Any
         levels = [level_summary(1, steps, {steps: tally}, len(prompts), 1)]
     levels = list(levels or [])
     for level in levels:
+        best = setting_of(level, level.get("best"))
         for s in level["settings"]:
+            sglang = isinstance(s.get("key"), str)
             s["fix"] = stats.fix_text(s["speedup"]["verdict"], s.get("acceptance_length"), s.get("break_even"),
-                                      load, s.get("spec_steps"), level.get("best"))
+                                      load, s.get("spec_steps"), None if sglang else level.get("best"),
+                                      best_label=(best or {}).get("label") if sglang and best is not s else None)
     report = {
         "version": VERSION,
         "created_at": time.time(),
@@ -164,27 +167,49 @@ def build_report(*, backend: str, drafter: dict[str, Any], target: dict[str, Any
 # ----------------------------------------------------------------------------- levels and settings
 
 
+@dataclass(frozen=True, order=True)
+class SpecSetting:
+    """One SGLang speculative setting. Local levels key their settings by steps alone (top-k 1);
+    SGLang levels by `key` ("steps/topk/draft_tokens"), so both report shapes read alike."""
+
+    steps: int
+    topk: int = 1
+    draft_tokens: int = 0  # 0: steps + 1 (what SGLang serves at top-k 1)
+
+    def __post_init__(self) -> None:
+        if self.draft_tokens == 0:
+            object.__setattr__(self, "draft_tokens", self.steps + 1)
+
+    @property
+    def key(self) -> str:
+        return f"{self.steps}/{self.topk}/{self.draft_tokens}"
+
+    @property
+    def label(self) -> str:
+        return f"steps {self.steps} top-k {self.topk} draft tokens {self.draft_tokens}"
+
+
+def setting_label(steps: int, topk: int = 1, draft_tokens: int | None = None, sglang: bool = False) -> str:
+    """How a setting is named in text: `3 steps` locally, with top-k and draft tokens for SGLang."""
+    return SpecSetting(steps, topk, draft_tokens or 0).label if sglang else f"{steps} steps"
+
+
 @dataclass
 class Tally:
     """Requests of one level measured both ways with one speculative setting."""
 
-    samples: list = None  # per-request speedup (spec tok/s / base tok/s)
+    samples: list[float] = field(default_factory=list)  # per-request speedup (spec tok/s / base tok/s)
     base_tokens: int = 0
     spec_tokens: int = 0
     verify: int = 0
-    accepted: list = None
-    base_latency: list = None
-    spec_latency: list = None
-    cycle: list = None  # per request: seconds per verify cycle
-    token_cost: list = None  # per request: seconds per baseline token
+    accepted: list[int] = field(default_factory=list)
+    base_latency: list[float] = field(default_factory=list)
+    spec_latency: list[float] = field(default_factory=list)
+    cycle: list[float] = field(default_factory=list)  # per request: seconds per verify cycle
+    token_cost: list[float] = field(default_factory=list)  # per request: seconds per baseline token
     matches: int = 0
     compared: int = 0
-    wave_walls: list = None  # (baseline wall, speculative wall) per wave
-
-    def __post_init__(self):
-        for name in ("samples", "accepted", "base_latency", "spec_latency", "cycle", "token_cost", "wave_walls"):
-            if getattr(self, name) is None:
-                setattr(self, name, [])
+    wave_walls: list[tuple[float, float]] = field(default_factory=list)  # (baseline, speculative) wall per wave
 
     def add(self, base_ids: list[int], base_s: float, spec_ids: list[int], spec_s: float, verify: int,
             accepted: list[int]) -> None:
@@ -219,11 +244,16 @@ class Tally:
         m = stats.median(self.samples)
         return None if m is None else round(m, 3)
 
-    def summary(self, steps: int) -> dict[str, Any]:
+    def summary(self, steps: int, setting: SpecSetting | None = None) -> dict[str, Any]:
+        """`setting`: an SGLang setting (keyed "steps/topk/draft_tokens"); None: local, keyed by steps."""
         base_wall = sum(b for b, _ in self.wave_walls)
         spec_wall = sum(s for _, s in self.wave_walls)
         return {
             "spec_steps": steps,
+            "spec_topk": setting.topk if setting else 1,
+            "spec_draft_tokens": setting.draft_tokens if setting else steps + 1,
+            "key": setting.key if setting else steps,
+            "label": setting.label if setting else setting_label(steps),
             "speedup": stats.summarize(self.samples),
             "base_tokens_per_s": _rate(self.base_tokens, base_wall),
             "spec_tokens_per_s": _rate(self.spec_tokens, spec_wall),
@@ -241,25 +271,35 @@ class Tally:
         }
 
 
-def level_summary(concurrency: int, spec_steps: int, tallies: dict[int, Tally], waves: int,
+def level_summary(concurrency: int, configured: int | SpecSetting, tallies: dict[Any, Tally], waves: int,
                   rounds: int) -> dict[str, Any]:
-    """One concurrency level: every setting's summary, the configured one and the best one."""
-    settings = [t.summary(steps) for steps, t in sorted(tallies.items()) if t.samples]
+    """One concurrency level: every setting's summary, the configured one and the best one.
+    Keys of `tallies` (and `configured`): steps (local backend) or SpecSetting (SGLang)."""
+    settings = [t.summary(k.steps, k) if isinstance(k, SpecSetting) else t.summary(k)
+                for k, t in sorted(tallies.items()) if t.samples]
     best = best_setting(settings)
-    return {"concurrency": concurrency, "waves": waves, "rounds": rounds, "configured": spec_steps,
-            "best": best["spec_steps"] if best else None, "settings": settings}
+    return {"concurrency": concurrency, "waves": waves, "rounds": rounds,
+            "configured": configured.key if isinstance(configured, SpecSetting) else configured,
+            "best": _key(best) if best else None, "settings": settings}
+
+
+def _key(setting: dict[str, Any]) -> Any:
+    return setting.get("key", setting.get("spec_steps"))
 
 
 def best_setting(settings: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The setting with the highest median speedup; a tie goes to fewer steps (less work per cycle)."""
+    """The setting with the highest median speedup; a tie goes to less work per cycle (fewer draft
+    tokens to verify, then fewer steps)."""
     scored = [s for s in settings if (s.get("speedup") or {}).get("median") is not None]
     if not scored:
         return None
-    return max(scored, key=lambda s: (s["speedup"]["median"], -s["spec_steps"]))
+    return max(scored, key=lambda s: (s["speedup"]["median"], -(s.get("spec_draft_tokens") or s["spec_steps"] + 1),
+                                      -s["spec_steps"]))
 
 
-def setting_of(level: dict[str, Any], steps: int | None) -> dict[str, Any] | None:
-    return next((s for s in level.get("settings") or [] if s.get("spec_steps") == steps), None)
+def setting_of(level: dict[str, Any], key: int | str | None) -> dict[str, Any] | None:
+    """The level's setting with this key: steps (local reports) or "steps/topk/draft_tokens" (SGLang)."""
+    return next((s for s in level.get("settings") or [] if _key(s) == key), None)
 
 
 def primary(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -274,11 +314,14 @@ def primary(report: dict[str, Any]) -> dict[str, Any] | None:
     return {"concurrency": level["concurrency"], **chosen}
 
 
-def sglang_flags(export_path: str, steps: int, topk: int = 1) -> list[str]:
-    """The SGLang speculative flags to serve a drafter with (top-k 1: steps + 1 draft tokens)."""
+def sglang_flags(export_path: str, steps: int, topk: int = 1, draft_tokens: int | None = None) -> list[str]:
+    """The SGLang speculative flags to serve a drafter with (top-k 1: steps + 1 draft tokens; above
+    it, the measured draft tokens, else steps x topk + 1)."""
+    if draft_tokens is None:
+        draft_tokens = steps + 1 if topk == 1 else steps * topk + 1
     return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export_path),
             "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
-            "--speculative-num-draft-tokens", str(steps + 1 if topk == 1 else steps * topk + 1)]
+            "--speculative-num-draft-tokens", str(draft_tokens)]
 
 
 def recommendation(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -294,9 +337,12 @@ def recommendation(report: dict[str, Any]) -> dict[str, Any] | None:
         if best is None:
             continue
         pays = best["speedup"]["verdict"] == stats.FASTER
+        flags = sglang_flags(export, best["spec_steps"], best.get("spec_topk") or 1, best.get("spec_draft_tokens"))
         per_level.append({"concurrency": level["concurrency"], "spec_steps": best["spec_steps"],
+                          "spec_topk": best.get("spec_topk") or 1, "spec_draft_tokens": best.get("spec_draft_tokens"),
+                          "key": _key(best), "label": best.get("label") or setting_label(best["spec_steps"]),
                           "speedup": best["speedup"], "serve_speculative": pays,
-                          "flags": " ".join(sglang_flags(export, best["spec_steps"])) if pays else ""})
+                          "flags": " ".join(flags) if pays else ""})
         if not pays and stops is None:
             stops = {"concurrency": level["concurrency"], "verdict": best["speedup"]["verdict"]}
     if stops is None:
@@ -307,8 +353,12 @@ def recommendation(report: dict[str, Any]) -> dict[str, Any] | None:
     else:
         text = (f"speculation no longer measurably pays from concurrency {stops['concurrency']} "
                 "(best setting inconclusive)")
+    keys = [_key(s) for lv in levels for s in lv.get("settings") or []]
+    sglang = any(isinstance(k, str) for k in keys)
+    swept = sorted(set(keys), key=lambda k: [int(x) for x in str(k).split("/")]) if sglang else \
+        sorted({s["spec_steps"] for lv in levels for s in lv.get("settings") or []})
     return {"levels": per_level, "stops_paying_at": stops["concurrency"] if stops else None, "text": text,
-            "swept": sorted({s["spec_steps"] for lv in levels for s in lv.get("settings") or []})}
+            "swept": swept}
 
 
 # ----------------------------------------------------------------------------- identity
@@ -485,9 +535,11 @@ def level_lines(report: dict[str, Any]) -> list[str]:
     for level in levels:
         s = setting_of(level, level.get("configured")) or best_setting(level.get("settings") or []) or {}
         best = setting_of(level, level.get("best"))
-        best_text = f"{best['spec_steps']} steps {stats.fmt_interval(best['speedup'])}" if best else "—"
+        best_text = (f"{best.get('label') or setting_label(best['spec_steps'])} {stats.fmt_interval(best['speedup'])}"
+                     if best else "—")
         sp = s.get("speedup") or {}
-        lines.append(f"{level['concurrency']:>4} {s.get('spec_steps', '?'):>5} "
+        key = s.get("key")
+        lines.append(f"{level['concurrency']:>4} {key if isinstance(key, str) else s.get('spec_steps', '?'):>5} "
                      f"{fmt_num(s.get('base_tokens_per_s'), '.1f'):>10} {fmt_num(s.get('spec_tokens_per_s'), '.1f'):>10} "
                      f"{fmt_num(s.get('base_latency_s'), '.2f') + 's':>8} {fmt_num(s.get('spec_latency_s'), '.2f') + 's':>8} "
                      f"{fmt_num(s.get('acceptance_length')):>5} {fmt_num(s.get('break_even')):>6} "
@@ -499,14 +551,19 @@ def recommendation_lines(report: dict[str, Any]) -> list[str]:
     rec = report.get("recommendation") or {}
     if not rec.get("levels"):
         return []
-    lines = [f"recommendation (swept steps {', '.join(map(str, rec.get('swept') or []))} at top-k 1):"]
+    swept = ", ".join(map(str, rec.get("swept") or []))
+    if any(isinstance(k, str) for k in rec.get("swept") or []):
+        lines = [f"recommendation (swept SGLang settings {swept} as steps/top-k/draft tokens):"]
+    else:
+        lines = [f"recommendation (swept steps {swept} at top-k 1):"]
     for item in rec["levels"]:
+        label = item.get("label") or f"{item['spec_steps']} steps"
         if item.get("serve_speculative"):
-            lines.append(f"  concurrency {item['concurrency']}: {item['spec_steps']} steps, "
+            lines.append(f"  concurrency {item['concurrency']}: {label}, "
                          f"{stats.fmt_interval(item['speedup'])} — serve with {item['flags']}")
         else:
-            lines.append(f"  concurrency {item['concurrency']}: serve without speculation (best: {item['spec_steps']} "
-                         f"steps, {stats.fmt_interval(item['speedup'])}, {item['speedup'].get('verdict')})")
+            lines.append(f"  concurrency {item['concurrency']}: serve without speculation (best: {label}, "
+                         f"{stats.fmt_interval(item['speedup'])}, {item['speedup'].get('verdict')})")
     lines.append("  " + rec.get("text", ""))
     return lines
 
@@ -560,7 +617,7 @@ def render_table(report: dict[str, Any]) -> str:
     m = _measurement(report) or {}
     lines = ["Evaluation — " + header_line(report), ""]
     kind = verdict_kind(report)
-    lines.append({stats.SLOWER: "SLOWER: ", stats.INCONCLUSIVE: "INCONCLUSIVE: "}.get(kind, "speedup ")
+    lines.append({stats.SLOWER: "SLOWER: ", stats.INCONCLUSIVE: "INCONCLUSIVE: "}.get(kind or "", "speedup ")
                  + verdict(report))
     if fix_line(report):
         lines.append("fix: " + fix_line(report))

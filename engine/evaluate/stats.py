@@ -76,7 +76,7 @@ def summarize(samples: Sequence[float]) -> dict[str, Any]:
     values = [float(v) for v in samples if v is not None and math.isfinite(v)]
     interval = bootstrap_interval(values)
     mid = median(values)
-    if interval is not None:
+    if interval is not None and mid is not None:
         interval = (min(interval[0], mid * (1 - FLOOR)), max(interval[1], mid * (1 + FLOOR)))
     return {"median": mid, "interval": list(interval) if interval else None, "samples": len(values),
             "verdict": verdict_of(interval)}
@@ -117,9 +117,11 @@ def fmt_interval(summary: dict[str, Any] | None) -> str:
 
 
 def fix_text(verdict: str | None, acceptance_length: float | None, breakeven: float | None,
-             load: dict[str, Any] | None, steps: int | None = None, best_steps: int | None = None) -> str:
+             load: dict[str, Any] | None, steps: int | None = None, best_steps: int | None = None,
+             best_label: str | None = None) -> str:
     """What to do about a verdict that is not `faster`: a weak drafter (acceptance length below the
-    break-even the measured step costs set) is told apart from noise (above it, yet not faster)."""
+    break-even the measured step costs set) is told apart from noise (above it, yet not faster).
+    `best_label`: the SGLang sweep's best other setting (steps, top-k and draft tokens)."""
     if verdict == FASTER or verdict is None:
         return ""
     al = "?" if acceptance_length is None else f"{acceptance_length:.2f}"
@@ -127,6 +129,8 @@ def fix_text(verdict: str | None, acceptance_length: float | None, breakeven: fl
     sweep = ""
     if best_steps is not None and steps is not None and best_steps != steps:
         sweep = f"; the sweep measured spec_steps {best_steps} best here"
+    elif best_label:
+        sweep = f"; the sweep measured {best_label} best here"
     weak = acceptance_length is not None and breakeven is not None and acceptance_length < breakeven
     if weak:
         return (f"weak drafter: acceptance length {al} is below the break-even {be} that the measured step costs "
