@@ -3,18 +3,21 @@
     python bench/training.py [--lengths 2048 4096 16384] [--steps 7] [--backend flex|sdpa]
                              [--loss fused|fused-compiled|checkpoint ...] [--optim fused|foreach]
                              [--embed bf16|fp32] [--zero-grad early|late] [--chunk-rows N]
-                             [--compare] [--profile] [--cpu-smoke]
+                             [--batches prefetched|pageable ...] [--compare] [--profile] [--cpu-smoke]
 
 Random records (batch 1 unless --records, bf16 states), the real training step of engine.train (teacher over the
 full 128,256-token LM head, 7 TTT steps, AdamW on fp32 master weights, bf16 autocast). Reports
 steady-state tokens/s against SpecForge, achieved TFLOP/s (model FLOPs, counted below) against
 the bf16 matmul rate measured in the same run, and peak allocated memory against SpecForge's.
-SpecForge reference: 13,100 tok/s at 2048 and 15,900 at 4096 with 13.1 / 17.8 GiB peak; goal
->= 1.25x the tokens/s with no more memory.
+SpecForge reference (its own trainer measured beside this one on an H200, issue 25): 14,243 tok/s at
+2048 and 16,282 at 4096 with 13.1 / 17.8 GiB peak; goal >= 1.5x the tokens/s with no more memory.
+bench/specforge_training.py runs SpecForge's trainer itself in the same process, for the live ratio.
 
   --compare     per length, first the previous implementation (checkpointed loss, foreach AdamW,
                 fp32 embedding, grads zeroed after the forward), then the configuration(s) asked for
   --loss        several values run side by side (fused-compiled: TTTModel(compile_head=True))
+  --batches     prefetched (the trainer's BatchPrefetcher: pinned, copied on a side stream a step
+                ahead) and/or pageable (copied inside the step, as before session 10)
   --profile     after timing, one more step under torch.profiler: the 15 CUDA kernels with the most
                 total time (on CPU: the 15 ops with the most self time)
   --cpu-smoke   tiny shapes on the CPU, to check that the script runs (figures mean nothing)
@@ -32,26 +35,27 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.train.data import Batch, Teacher  # noqa: E402
+from engine.train.data import Batch, BatchPrefetcher, Teacher  # noqa: E402
 from engine.train.loop import build_adamw, place_drafter  # noqa: E402
 from engine.train.loss import TTTModel  # noqa: E402
 from engine.train.model import DraftConfig, Eagle3Drafter  # noqa: E402
 
-SHAPES = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+SHAPES: dict[str, Any] = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
               vocab_size=128256, draft_vocab_size=32000, rope_theta=500000.0, max_position_embeddings=131072,
               aux_layers_sglang=[2, 16, 29])
 # the drafter of the target bench/gpu_end_to_end.py trains (16 layers, hidden 640, vocab 8,192)
-E2E_SHAPES = dict(hidden_size=640, num_attention_heads=10, num_key_value_heads=2, intermediate_size=1728,
+E2E_SHAPES: dict[str, Any] = dict(hidden_size=640, num_attention_heads=10, num_key_value_heads=2, intermediate_size=1728,
                   vocab_size=8192, draft_vocab_size=8192, max_position_embeddings=2048, aux_layers_sglang=[2, 8, 15])
-SMOKE_SHAPES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
+SMOKE_SHAPES: dict[str, Any] = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=160,
                     vocab_size=1000, draft_vocab_size=256, aux_layers_sglang=[2, 4, 6])
-SPECFORGE = {2048: (13100.0, 13.1), 4096: (15900.0, 17.8)}  # tokens/s, peak GiB
-GOAL = 1.25
+SPECFORGE = {2048: (14243.0, 13.1), 4096: (16282.0, 17.8)}  # tokens/s, peak GiB
+GOAL = 1.5
 
 
 @dataclass(frozen=True)
@@ -60,13 +64,15 @@ class Variant:
     optim: str = "fused"  # fused | foreach
     embed: str = "bf16"  # bf16 | fp32 (the frozen embedding on the GPU)
     early_zero_grad: bool = True  # grads freed before the forward instead of after it
+    prefetch: bool = True  # the trainer's BatchPrefetcher (pinned, copied a step ahead) vs a pageable copy in the step
 
     @property
     def label(self) -> str:
-        return f"loss={self.loss} optim={self.optim} embed={self.embed} zero_grad={'early' if self.early_zero_grad else 'late'}"
+        return (f"loss={self.loss} optim={self.optim} embed={self.embed} zero_grad={'early' if self.early_zero_grad else 'late'}"
+                f" batches={'prefetched' if self.prefetch else 'pageable'}")
 
 
-LEGACY = Variant("checkpoint", "foreach", "fp32", False)
+LEGACY = Variant("checkpoint", "foreach", "fp32", False, False)
 
 
 def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
@@ -102,9 +108,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def random_batch(cfg: DraftConfig, t: int, records: int, dtype: torch.dtype) -> Batch:
+    """Random records in pageable host memory, as a loader reads them (seeded: both trainers see the same)."""
+    h = cfg.hidden_size
+    g = torch.Generator().manual_seed(1)
+    return Batch(torch.randint(0, cfg.vocab_size, (records, t), generator=g), torch.ones(records, t, dtype=torch.bool),
+                 torch.randn(records, t, 3 * h, generator=g).to(dtype), torch.randn(records, t, h, generator=g).to(dtype),
+                 torch.tensor([t] * records))
+
+
 def build(cfg: DraftConfig, t: int, steps: int, backend: str, variant: Variant, device: torch.device,
           chunk_rows: int | None, records: int = 1):
-    """Model, teacher, optimizer and one random record; returns the training-step closure."""
+    """Model, teacher, optimizer and one random record; returns the training-step closure and a close()."""
     gpu = device.type == "cuda"
     torch.manual_seed(0)
     model = Eagle3Drafter(cfg)
@@ -125,27 +140,28 @@ def build(cfg: DraftConfig, t: int, steps: int, backend: str, variant: Variant, 
         optim = build_adamw(params, 1e-4, fused=True)
     else:
         optim = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, foreach=True)
-    h = cfg.hidden_size
-    state_dtype = torch.bfloat16 if gpu else torch.float32
-    batch = Batch(torch.randint(0, cfg.vocab_size, (records, t)), torch.ones(records, t, dtype=torch.bool),
-                  torch.randn(records, t, 3 * h, dtype=state_dtype), torch.randn(records, t, h, dtype=state_dtype),
-                  torch.tensor([t] * records))
+    batch = random_batch(cfg, t, records, torch.bfloat16 if gpu else torch.float32)
+    # The trainer's path: each step's batch is copied into pinned memory on the loader thread (as collate
+    # builds it there) and reaches the GPU a step ahead; the legacy path copies pageable memory in the step.
+    batches = BatchPrefetcher(lambda _: batch.pin_memory() if gpu else batch, range(10**9), device) if variant.prefetch else None
 
     def one_step() -> torch.Tensor:
         if variant.early_zero_grad:
             optim.zero_grad(set_to_none=True)
-        b = batch.to(device)
+        b = next(batches) if batches is not None else batch.to(device)
         out = teacher(b, torch.bfloat16 if gpu else torch.float32)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=gpu):
             loss, _ = ttt(b, out)
         if not variant.early_zero_grad:
             optim.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+        # One host read of loss and grad norm a step, as Trainer.train_step does (it skips non-finite steps).
+        values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float()]).tolist()
         optim.step()
-        return loss.detach()
+        return torch.tensor(values[0])
 
-    return one_step
+    return one_step, (batches.close if batches is not None else (lambda: None))
 
 
 def top_kernels(prof, device: torch.device, n: int = 15) -> list[dict]:
@@ -182,7 +198,7 @@ def profile_step(one_step, device: torch.device) -> list[dict]:
 def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, variant: Variant,
                device: torch.device, chunk_rows: int | None, profile: bool, records: int = 1) -> dict:
     gpu = device.type == "cuda"
-    one_step = build(cfg, t, steps, backend, variant, device, chunk_rows, records)
+    one_step, close = build(cfg, t, steps, backend, variant, device, chunk_rows, records)
     if gpu:  # the peak from here on: resident weights, optimizer state and the steps themselves
         torch.cuda.reset_peak_memory_stats(device)
     first_loss = float(one_step())  # compile + allocator warm-up; same seed, so variants compare
@@ -198,7 +214,8 @@ def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, v
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:
         result["kernels"] = profile_step(one_step, device)
-    del one_step
+    close()
+    del one_step, close
     gc.collect()
     if gpu:
         torch.cuda.empty_cache()
@@ -234,6 +251,8 @@ def main() -> int:
     parser.add_argument("--backend", default="flex", choices=["flex", "sdpa"])
     parser.add_argument("--loss", nargs="+", default=["fused"], choices=["fused", "fused-compiled", "checkpoint"],
                         help="one run per value, side by side")
+    parser.add_argument("--batches", nargs="+", default=["prefetched"], choices=["prefetched", "pageable"],
+                        help="the trainer's prefetcher, or a pageable copy inside the step (session-2 rows)")
     parser.add_argument("--optim", default="fused", choices=["fused", "foreach"])
     parser.add_argument("--embed", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--zero-grad", default="early", choices=["early", "late"])
@@ -246,7 +265,9 @@ def main() -> int:
                         help="drafter shape: Llama-3.1-8B's, or that of gpu_end_to_end.py's 80M target")
     parser.add_argument("--records", type=int, nargs="+", default=[1], help="records per step (padded batch)")
     args = parser.parse_args()
-    variants = [(loss, Variant(loss, args.optim, args.embed, args.zero_grad == "early")) for loss in args.loss]
+    variants = [(loss + ("" if b == "prefetched" else "/pageable"),
+                 Variant(loss, args.optim, args.embed, args.zero_grad == "early", b == "prefetched"))
+                for loss in args.loss for b in args.batches]
     if args.compare:
         variants.insert(0, ("old", LEGACY))
     if args.cpu_smoke:
