@@ -11,9 +11,9 @@ to its pane first so the user sees what it does.
 from __future__ import annotations
 
 from functools import partial
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-from textual.app import SystemCommand
+from textual.app import App, SystemCommand
 from textual.screen import ModalScreen, Screen
 
 from eagle3_console.confirm import ConfirmScreen
@@ -21,6 +21,15 @@ from eagle3_console.keys import KEYS
 from eagle3_console.messages import ServerActionFailed
 from eagle3_console.panes import ExtractionPane, ServerPane, TrainingPane
 from engine.stagejobs import STAGE_JOBS
+
+if TYPE_CHECKING:
+    from engine.core import Engine
+    from engine.workspace import Workspace
+
+    # The type checker reads the mixin as the App it is mixed into (query_one, notify, workers...).
+    _AppBase = App[int]
+else:
+    _AppBase = object
 
 # stage -> the pane that shows its job
 JOB_PANES = {"server": "server", "extract": "extraction", "train": "training", "evaluate": "evaluation"}
@@ -53,8 +62,14 @@ def start_estimate(stage: str, jobs, reports: dict, workspace) -> tuple[str, str
     return duration, disk
 
 
-class JobActions:
+class JobActions(_AppBase):
     """Actions over the engine's server and stage jobs (a mixin for ConsoleApp)."""
+
+    engine: Engine  # set by ConsoleApp.__init__
+    workspace: Workspace
+
+    if TYPE_CHECKING:
+        def action_show_tab(self, tab: str) -> None: ...  # ConsoleApp's
 
     # -- footer scoping
     def active_pane(self) -> str:

@@ -9,7 +9,11 @@ all three; `psutil_parent` is the real lookup (reads /proc: call it off the UI t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
+
+if TYPE_CHECKING:
+    from engine.gpu import GpuSnapshot
+    from engine.jobs import JobInfo
 
 ROLES = {"server": ("server", "server worker (TP)"), "train": ("trainer", "trainer rank"),
          "evaluate": ("evaluation", "evaluation worker"), "extract": ("extraction", "extraction worker")}
@@ -40,24 +44,26 @@ def psutil_parent(pid: int) -> int | None:
         return None
 
 
-def owner(pid: int, jobs: Iterable, parent_of: Callable[[int], int | None]) -> tuple[object | None, bool]:
+def owner(pid: int, jobs: Iterable[JobInfo], parent_of: Callable[[int], int | None]) -> tuple[JobInfo | None, bool]:
     """(the job `pid` belongs to, whether it is the job's own process) or (None, False)."""
-    by_pid = {}
+    by_pid: dict[int, JobInfo] = {}
     for job in jobs:
         if job.pid:
             by_pid.setdefault(job.pid, job)
-        if getattr(job, "supervisor_pid", None):
+        if job.supervisor_pid:
             by_pid.setdefault(job.supervisor_pid, job)
-    current, depth = pid, 0
+    current: int | None = pid
+    depth = 0
     while current and depth <= MAX_DEPTH:
-        job = by_pid.get(current)
-        if job is not None:
-            return job, current == pid and current == job.pid
+        found = by_pid.get(current)
+        if found is not None:
+            return found, current == pid and current == found.pid
         current, depth = parent_of(current), depth + 1
     return None, False
 
 
-def attribute(snapshot, jobs, parent_of: Callable[[int], int | None] = psutil_parent) -> list[GpuProcessRow]:
+def attribute(snapshot: GpuSnapshot | None, jobs: Iterable[JobInfo],
+              parent_of: Callable[[int], int | None] = psutil_parent) -> list[GpuProcessRow]:
     """One row per process on any GPU, ours first (by role), then others by memory."""
     if snapshot is None or not snapshot.available:
         return []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from textual.timer import Timer
 from textual.widgets import Static
 
 from eagle3_console.render import clip, esc, set_markup
@@ -36,7 +37,7 @@ class ConsoleHeader(Static):
         self.read_only_by = read_only_by  # None: this console drives the workspace
         self.running_jobs = 0
         self.message: tuple[str, str] | None = None
-        self._message_timer = None
+        self._message_timer: Timer | None = None
 
     MESSAGE_COLOURS = {"information": "$primary", "warning": "$warning", "error": "$error"}
 

@@ -14,12 +14,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from textual.content import Content
 from textual.widgets import Static
 
 from eagle3_console.fmt import finite, fmt_duration
 from eagle3_console.render import esc, set_markup
+
+if TYPE_CHECKING:
+    from engine.gpu import GpuSnapshot
 
 GIB = 2**30
 SERVER_COLOURS = {"ready": "$success", "starting": "$warning", "unhealthy": "$warning", "crashed": "$error",
@@ -95,7 +99,7 @@ class StripState:
     running: list = field(default_factory=list)  # JobProgress of running jobs, newest first
     below_reserve: list = field(default_factory=list)  # mount labels under their reserve
     disk_free: int | None = None  # the least free space among the written filesystems (bytes)
-    gpu: object | None = None  # engine.gpu.GpuSnapshot
+    gpu: GpuSnapshot | None = None
     drift: list = field(default_factory=list)  # settings the running server differs from console.toml in
 
 

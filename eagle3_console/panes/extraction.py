@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
+from textual.notifications import SeverityLevel
 from textual.widgets import ProgressBar, Sparkline, Static
 
 from eagle3_console.fmt import finite, fmt_count, fmt_duration
@@ -161,7 +162,7 @@ class ExtractionView:
         return int(self.bytes / self.tokens * max(0, self.total_tokens - self.tokens))
 
 
-def notice_for(event: dict) -> tuple[str, str] | None:
+def notice_for(event: dict) -> tuple[SeverityLevel, str] | None:
     """(severity, text) for events worth a notification the engine does not send itself."""
     kind = event.get("type")
     if kind == "finished":

@@ -14,10 +14,11 @@ from textual.widgets import Static
 
 from eagle3_console.fmt import finite
 from eagle3_console.keys import scroll_bindings
-from eagle3_console.gpuprocs import attribute, process_lines, psutil_parent
+from eagle3_console.gpuprocs import GpuProcessRow, attribute, process_lines, psutil_parent
 from eagle3_console.messages import GpuChanged, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import bar, clip, esc, level_colour, set_markup
+from engine.gpu import GpuSnapshot
 
 GIB = 2**30
 
@@ -139,11 +140,11 @@ class GpuPane(Pane):
         super().__init__(**kwargs)
         self.nccl_preset = nccl_preset
         self.disable_nvls = disable_nvls
-        self.snapshot = None
+        self.snapshot: GpuSnapshot | None = None
         self.history: dict[int, deque] = {}  # GPU index -> recent utilisation percentages
         self._nccl_cache: tuple | None = None
         self.jobs: tuple = ()
-        self.process_rows: list | None = None  # None: not attributed yet
+        self.process_rows: list[GpuProcessRow] | None = None  # None: not attributed yet
         self.parent_of = psutil_parent  # pid -> parent pid (tests inject one)
         self._procs_read_at = 0.0
         self._procs_seq = 0
@@ -232,10 +233,11 @@ class GpuPane(Pane):
             width = max(40, self.content_region.width or 78)
             set_markup(table, "\n".join(gpu_rows(snap, width, self.history)))
         procs = self.query_one("#gpu-procs", Static)
-        procs.display = snap is not None and snap.available and self.process_rows is not None
-        if procs.display:
+        rows = self.process_rows if snap is not None and snap.available else None
+        procs.display = rows is not None
+        if rows is not None:
             width = max(40, self.content_region.width or 78)
-            set_markup(procs, "\n".join(process_lines(self.process_rows, width)))
+            set_markup(procs, "\n".join(process_lines(rows, width)))
         lines = self._nccl_lines(suggested)
         if snap is not None and not snap.available:
             lines.insert(0, "interconnect [$text-muted]unknown (no NVML)[/]")

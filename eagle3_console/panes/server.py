@@ -18,6 +18,7 @@ from eagle3_console.fmt import finite, fmt_duration, fmt_num
 from eagle3_console.messages import ServerActionFailed, ServerChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
+from engine.server.manager import ServerStatus
 
 # Theme variable per server state.
 STATE_COLOURS = {"ready": "$success", "starting": "$warning", "unhealthy": "$warning",
@@ -60,7 +61,8 @@ def flags_text(flags: dict, width: int) -> str:
     if not parts:
         return "[$text-muted]flags: —[/]"
     # Clip on whole items so markup is never cut in half.
-    out, used = [], 6
+    out: list[str] = []
+    used = 6
     for part, key in zip(parts, flags):
         size = len(key) + len(str(flags[key])) + 2
         if used + size > width and out:
@@ -115,7 +117,7 @@ class ServerPane(Pane):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.status = None
+        self.status: ServerStatus | None = None
         self.throughput: deque[float] = deque(maxlen=HISTORY)
         self.failure: tuple[str, tuple[str, ...]] | None = None
 
