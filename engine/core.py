@@ -437,7 +437,14 @@ class Engine:
 
     def server_users(self) -> list:
         """Running jobs that need the server (stopping it would disrupt them)."""
-        return [j for j in self.running_jobs() if j.kind in SERVER_USERS]
+        from engine.config import ConfigError
+        from engine.stagejobs import server_users
+
+        try:
+            users = server_users(self.workspace.config)  # online training captures from the server
+        except (ConfigError, OSError):
+            users = SERVER_USERS
+        return [j for j in self.running_jobs() if j.kind in users]
 
     async def start_stage_job(self, stage: str):
         from engine.stagejobs import STARTERS
@@ -451,7 +458,7 @@ class Engine:
         """The prerequisite stages of `stage`'s job that are red now (engine.stagejobs.PREREQUISITES)."""
         from engine.stagejobs import red_prerequisites
 
-        return red_prerequisites(stage, self.reports())
+        return red_prerequisites(stage, self.reports(), self.workspace.config)  # train's depend on train.mode
 
     async def stop_job(self, job_id: str, grace: float | None = None) -> JobInfo:
         """SIGTERM the job, SIGKILL after `grace` s (default: its kind's, engine.stagejobs.stop_grace)."""

@@ -304,6 +304,18 @@ class Checkpoint(JobEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Window(JobEvent):
+    """Online/hybrid training (engine.train.online): the capture window planned at start, and at the end
+    what it held at most. Its live fill and the two rates ride on the progress lines (as extra fields)."""
+
+    KIND = "window"
+    mode: str | None = None
+    window_budget: int | None = None
+    window_peak: int | None = None
+    captured: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointRejected(JobEvent):
     KIND = "checkpoint_rejected"
     path: str | None = None
@@ -393,7 +405,7 @@ EVENT_TYPES: dict[str, type[JobEvent]] = {
         Progress, Started, Finished, Stopped, Error, Paused, Resumed, SweptTemp,
         Planning, ResumeRepair, BadSample, Retry, Incomplete, ServerDrift, ServerDown, ServerUp, ServerRestart,
         ServerRestartFailed,
-        Checkpoint, CheckpointRejected, CheckpointUnverified, CheckpointFallback, CheckpointSkipped,
+        Checkpoint, Window, CheckpointRejected, CheckpointUnverified, CheckpointFallback, CheckpointSkipped,
         LearningRateChanged, Nonfinite, Eval,
         Loaded, Phase,
         SampleFailed,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Iterable, Union
 
 from engine import atomic
-from engine.checks.base import CheckResult, StageReport, StageState, failed, stage_state
+from engine.checks.base import CheckResult, StageReport, StageState, failed, passed, stage_state
 from engine.checks.context import CheckContext
 from engine.stagejobs import STAGE_JOBS
 
@@ -50,10 +50,30 @@ def _stages() -> list[Stage]:
         Stage("server", "Server", "process up, health, capture-safe flags, decode tok/s", check_server),
         Stage("capture", "Capture probe", "tokens sent = captured, 0 cached, shapes, finite, argmax", check_capture),
         Stage("disk", "Disk", "output dirs writable, bytes needed fit under free minus reserve", check_disk),
-        Stage("extract", "Extraction", "manifest covers every sample and verifies", check_extract),
+        Stage("extract", "Extraction", "manifest covers every sample and verifies", _extract_unless_online(check_extract)),
         Stage("train", "Training", "export signed, finite, in the layout SGLang's EAGLE-3 loader reads", check_train),
         Stage("evaluate", "Evaluation", "acceptance length and speedup measured", check_evaluate),
     ]
+
+
+def _extract_unless_online(check_extract: CheckFn) -> CheckFn:
+    """train.mode = online/hybrid captures during training: no extraction is needed, and the stage says so
+    (with what the window holds) instead of asking for one; offline, the extraction's own checks."""
+
+    def check(ctx: CheckContext):
+        from engine.disk import fmt_bytes
+        from engine.stagejobs import online_training
+        from engine.train.window import window_budget, window_dir
+
+        cfg = ctx.config
+        if not online_training(cfg):
+            return check_extract(ctx)
+        return [passed("mode", f"not needed: train.mode = {cfg.train.mode!r} captures the states from the server "
+                               f"while training, into {window_dir(ctx.workspace)} (at most "
+                               f"{fmt_bytes(window_budget(cfg))}, train.window_gb); set train.mode = \"offline\" "
+                               "to train from extracted records")]
+
+    return check
 
 
 STAGES: list[Stage] = []
@@ -91,7 +111,7 @@ STAGE_CONFIG: dict[str, tuple[str, ...]] = {
     "server": ("server", "model"),
     "capture": ("server", "model", "extract"),
     "disk": ("dataset", "extract", "train", "evaluate", "model"),
-    "extract": ("extract", "dataset", "model"),
+    "extract": ("extract", "dataset", "model", "train.mode"),  # online training needs no extraction
     "train": ("train", "extract", "dataset", "model"),
     "evaluate": ("evaluate", "train", "server", "model", "dataset"),
 }
@@ -107,14 +127,23 @@ STAGE_JOB_INPUTS: dict[str, tuple[str, ...]] = {
 
 
 def _section_fingerprint(section) -> str:
-    value = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section
+    value = dataclasses.asdict(section) if dataclasses.is_dataclass(section) and not isinstance(section, type) \
+        else section
     text = json.dumps(value, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _config_part(config, name: str):
+    """A section (`train`) or one key of it (`train.mode`)."""
+    value = config
+    for part in name.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 def config_basis(stage: str, config) -> tuple[tuple[str, str], ...]:
-    """((section, fingerprint), ...) of the config sections `stage` depends on."""
-    return tuple((name, _section_fingerprint(getattr(config, name, None)))
+    """((section or section.key, fingerprint), ...) of the config parts `stage` depends on."""
+    return tuple((name, _section_fingerprint(_config_part(config, name)))
                  for name in STAGE_CONFIG.get(stage, ()))
 
 

@@ -61,7 +61,7 @@ JOB_KINDS: dict[str, JobKind] = {kind.name: kind for kind in (
 )}
 DEFAULT_GRACE_S = 30.0
 STAGE_JOBS = tuple(name for name, kind in JOB_KINDS.items() if kind.start is not None)
-STARTERS: dict[str, Callable] = {name: JOB_KINDS[name].start for name in STAGE_JOBS}
+STARTERS: dict[str, Callable] = {name: kind.start for name, kind in JOB_KINDS.items() if kind.start is not None}
 PREREQUISITES: dict[str, tuple[str, ...]] = {name: JOB_KINDS[name].prerequisites for name in STAGE_JOBS}
 STOP_GRACE_S: dict[str, float] = {name: kind.stop_grace_s for name, kind in JOB_KINDS.items()}
 SERVER_USERS = frozenset(name for name, kind in JOB_KINDS.items() if kind.needs_server)
@@ -72,8 +72,30 @@ def stop_grace(kind: str) -> float:
     return STOP_GRACE_S.get(kind, DEFAULT_GRACE_S)
 
 
-def red_prerequisites(stage: str, reports) -> list:
+# train.mode = online or hybrid: training captures its own states from the server (engine.train.online),
+# so it needs the server and a passing capture probe, and the disk stage's budget (the window), not an
+# extraction.
+ONLINE_PREREQUISITES: dict[str, tuple[str, ...]] = {"train": ("model", "dataset", "server", "capture", "disk")}
+
+
+def online_training(config) -> bool:
+    return config is not None and getattr(config.train, "mode", "offline") in ("online", "hybrid")
+
+
+def prerequisites(stage: str, config=None) -> tuple[str, ...]:
+    """The stages `stage`'s job needs green, under `config` (console.toml; None: offline training)."""
+    if online_training(config) and stage in ONLINE_PREREQUISITES:
+        return ONLINE_PREREQUISITES[stage]
+    return PREREQUISITES.get(stage, ())
+
+
+def server_users(config=None) -> frozenset[str]:
+    """Job kinds that stopping the server would disrupt: online training too, under `config`."""
+    return SERVER_USERS | {"train"} if online_training(config) else SERVER_USERS
+
+
+def red_prerequisites(stage: str, reports, config=None) -> list:
     """The reports (as they stand now) of `stage`'s prerequisite stages that are red (failed)."""
     by_name = {r.stage: r for r in reports}
-    return [by_name[name] for name in PREREQUISITES.get(stage, ())
+    return [by_name[name] for name in prerequisites(stage, config)
             if name in by_name and by_name[name].state.value == "failed"]

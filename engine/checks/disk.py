@@ -57,13 +57,52 @@ def estimate_tokens(ctx: CheckContext) -> tuple[int, str]:
 def check_disk(ctx: CheckContext) -> list[CheckResult]:
     cfg = ctx.config
     ws = ctx.workspace
+    from engine.stagejobs import online_training
+
+    online = online_training(cfg)
+    if online:
+        from engine.train.window import window_dir
+
+        output = _writable("window_dir", window_dir(ws), cfg.extract.create_output_dir)
+    else:
+        output = _writable("output_dir", ws.hidden_dir, cfg.extract.create_output_dir)
     results = [
-        _writable("output_dir", ws.hidden_dir, cfg.extract.create_output_dir),
+        output,
         _writable("spool_dir", ws.spool_dir, True),
         _writable("drafters_dir", ws.drafter_dir, True),
     ]
-    results.append(_budget(ctx))
+    results.append(_window_budget(ctx) if online else _budget(ctx))
     return results
+
+
+def _window_budget(ctx: CheckContext) -> CheckResult:
+    """Online/hybrid training: the disk holds the window (train.window_gb), not the whole extraction."""
+    from engine.target import TargetError, plan_target
+    from engine.train.window import files_bytes, window_budget, window_dir
+
+    cfg = ctx.config
+    try:
+        hidden = plan_target(ctx.workspace.model_dir, list(cfg.model.capture_layers)).hidden_size
+    except TargetError:
+        return warned("budget", "hidden size unknown (model config unreadable)", "fix the `model` stage first")
+    tokens, source = estimate_tokens(ctx)
+    per_token = bytes_per_token(hidden)
+    offline = tokens * per_token
+    window = window_budget(cfg)
+    there = files_bytes(window_dir(ctx.workspace))  # kept records of an earlier run stay counted in the window
+    needed = max(window - there, 0)
+    reserve = int(cfg.extract.disk_reserve_gb * GIB)
+    usage = usage_for("hidden", str(window_dir(ctx.workspace)), reserve)
+    summary = (f"train.mode = {cfg.train.mode}: captured states on disk never exceed the window, "
+               f"{fmt_bytes(window)} (train.window_gb = {cfg.train.window_gb:g}, plus one batch if a batch is "
+               f"larger; {fmt_bytes(there)} of it there now); an offline extraction would need {fmt_bytes(offline)} "
+               f"({tokens:,} tokens × {fmt_bytes(per_token)}, {source}); the spool also holds the "
+               f"{cfg.extract.concurrency} capture(s) in flight; free {fmt_bytes(usage.free)}, reserve "
+               f"{fmt_bytes(reserve)} on {usage.mount}")
+    if needed > usage.free - reserve:
+        return failed("budget", summary, "set a smaller train.window_gb, free space there, or set extract.output_dir "
+                                         "on another disk (the window lives under it)")
+    return passed("budget", summary)
 
 
 def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, str]:

@@ -53,6 +53,73 @@ def _failure(last: dict | None) -> str | None:
     return str(last.get("message") or f"training failed at step {last['step']} ({last.get('reason', '?')})")
 
 
+def _mode_text(ctx: CheckContext) -> str:
+    """Which mode trained the drafter (data.json beside it), or, before any run, what the configured mode
+    will cost: prefill per epoch (at the last capture rate measured) against the disk an offline run needs."""
+    from engine.disk import fmt_bytes
+
+    try:
+        note = json.loads((ctx.workspace.drafter_dir / "data.json").read_text())
+    except (OSError, ValueError):
+        note = None
+    if isinstance(note, dict) and note.get("mode") == "offline":
+        return f"trained offline from the records in {note.get('records', '?')}"
+    if isinstance(note, dict) and note.get("mode") in ("online", "hybrid"):
+        peak = note.get("window_peak")
+        used = f", at most {fmt_bytes(int(peak))} used" if isinstance(peak, int) else ""
+        return (f"trained {note['mode']} (captured from the server while training): window "
+                f"{fmt_bytes(int(note.get('window_budget') or 0))}{used}, {int(note.get('captured') or 0):,} "
+                f"captures; an offline run would have stored {fmt_bytes(int(note.get('offline_bytes') or 0))}")
+    return _estimate(ctx)
+
+
+def _estimate(ctx: CheckContext) -> str:
+    cfg = ctx.config
+    from engine.checks.disk import estimate_tokens
+    from engine.disk import bytes_per_token, fmt_bytes
+    from engine.target import TargetError, plan_target
+    from engine.train.window import window_budget
+
+    try:
+        hidden = plan_target(ctx.workspace.model_dir, list(cfg.model.capture_layers)).hidden_size
+    except TargetError:
+        return f"train.mode = {cfg.train.mode}"
+    tokens, _ = estimate_tokens(ctx)
+    offline = fmt_bytes(tokens * bytes_per_token(hidden))
+    if cfg.train.mode == "offline":
+        return f"train.mode = offline: trains from the extraction's records ({offline} for {tokens:,} tokens)"
+    rate = _capture_rate(ctx)
+    prefill = (f"≈{tokens / rate:,.0f} s of prefill per epoch at {rate:,.0f} tok/s (the last capture rate measured)"
+               if rate else "prefill time per epoch unknown until a capture rate is measured (an extraction or "
+                            "online training job)")
+    return (f"train.mode = {cfg.train.mode}: each epoch captures its {tokens:,} tokens again, {prefill}, within a "
+            f"{fmt_bytes(window_budget(cfg))} window, instead of the {offline} an offline extraction would store")
+
+
+def _capture_rate(ctx: CheckContext) -> float | None:
+    """tokens/s of capture last measured: an online training job's producer rate or an extraction's rate."""
+    from engine.jobs import JobManager
+
+    jobs = JobManager(ctx.workspace.jobs_dir)
+    for job in jobs.list():  # newest first
+        if job.kind not in ("extract", "train"):
+            continue
+        try:
+            lines = (job.dir / "events.jsonl").read_text().splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines[-400:]):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            key = "capture_tokens_per_s" if job.kind == "train" else "tokens_per_s"
+            value = event.get(key) if event.get("type") == "progress" else None
+            if isinstance(value, (int, float)) and value > 0:
+                return float(value)
+    return None
+
+
 def check_train(ctx: CheckContext) -> list[CheckResult]:
     from engine.jobs import JobManager
     from engine.train import checkpoint as ckpt
@@ -66,13 +133,14 @@ def check_train(ctx: CheckContext) -> list[CheckResult]:
     best = ckpt.best(out) or {}
     progress = (f"{steps} steps" if steps is not None else "no steps logged") + (
         f", best simulated acceptance length {best['sim_al']:.3f} (step {best['step']})" if best else "")
+    progress += f"; {_mode_text(ctx)}"
     failure = _failure(last)
     if failure and not active:
         earlier = f"; the export in {export} is from an earlier run" if (export / CONFIG).is_file() else ""
         latest = ckpt.latest(out)
         resume = f"it resumes from the checkpoint of step {latest['step']}" if latest else "it starts again"
         fix = (f"lower train.learning_rate or set train.grad_clip, then `eagle3-console run train` ({resume})"
-               if last.get("reason") == "nonfinite" else START_FIX)
+               if (last or {}).get("reason") == "nonfinite" else START_FIX)
         return [failed("run", f"{failure}{earlier}", fix)]
     if not (export / CONFIG).is_file():
         if active:

@@ -237,9 +237,13 @@ class Trainer:
         return {"mode": self.cfg.mode, "epoch": epoch, "next_index": index * self.cfg.batch_size * self.world}
 
     def _start_stream(self, limit: int) -> None:
-        """Online: start capturing the batches of the steps ahead (the ones `_batch_entries` names)."""
+        """Online: start capturing the batches of the steps ahead (the ones `_batch_entries` names);
+        offline: note the records trained from."""
         if self.online and self.step < limit:
             self.data.start(self._batch_entries, self.step, limit)
+        elif not self.online and self.is_main:  # which mode trained this drafter (check train says)
+            atomic.write_json(self.out_dir / "data.json", {"mode": "offline", "records": str(self.ws.hidden_dir),
+                                                           "t": time.time()})
 
     def _data_progress(self) -> dict:
         return self.data.progress_fields(self.step, self.steps_per_epoch) if self.online else {}
@@ -524,7 +528,7 @@ class Trainer:
         self.setup()
         self.event("started", step=self.step, total_steps=self.total_steps, train=len(self.data.train_entries),
                    eval=len(self.data.eval_entries), device=str(self.device), world=self.world, backend=self.backend,
-                   **self._data_position(), **(self.data.plan_fields() if self.online else {}))
+                   **{**self._data_position(), **(self.data.plan_fields() if self.online else {})})
         limit = self.total_steps if self.max_steps is None else min(self.total_steps, self.step + self.max_steps)
         window, tokens, grad_norm, last_summary = None, 0, 0.0, None
         self.nonfinite_streak, first_nonfinite = 0, 0  # 0: no non-finite step yet
