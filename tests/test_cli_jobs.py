@@ -9,10 +9,10 @@ import subprocess
 import sys
 import time
 
-from conftest import lock_held_by_another_process
+from tests.helpers.processes import lock_held_by_another_process
+from tests.helpers.workspaces import console_workspace
 from engine.jobs import JobManager
 from engine.workspace import LOCK_NAME
-from tests.test_console import make_workspace
 
 GRACEFUL_JOB = """
 import time
@@ -44,7 +44,7 @@ def _wait_for(predicate, what: str, timeout: float = 20.0) -> None:
 
 
 def test_jobs_list_logs_and_a_clean_stop(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     assert "no jobs in" in jobs_cli(ws).stdout
     for argv in (["-w", str(ws.root), "jobs"], ["-w", str(ws.root), "status"]):  # -w before the command
         before = subprocess.run([sys.executable, "-m", "eagle3_console", *argv], capture_output=True, text=True,
@@ -87,7 +87,7 @@ def test_jobs_list_logs_and_a_clean_stop(tmp_path):
 
 
 def test_jobs_bad_requests_get_clear_errors(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     no_id = jobs_cli(ws, "stop")
     assert no_id.returncode == 2 and "required: ID" in no_id.stderr and "jobs stop" in no_id.stderr
     unknown = jobs_cli(ws, "logs", "extract-nosuch")
@@ -111,10 +111,10 @@ def test_stopping_the_server_job_goes_through_the_server_manager(tiny_chat_model
     stop for a crash and start it again."""
     import asyncio
 
-    from conftest import make_workspace as make_model_workspace
+    from tests.helpers.workspaces import make_workspace
     from engine.server.manager import ServerManager
 
-    ws = make_model_workspace(tmp_path / "ws", tiny_chat_model_dir)
+    ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir)
     manager = ServerManager(ws)
     status = asyncio.run(manager.start())
     try:
@@ -131,7 +131,7 @@ def test_stopping_the_server_job_goes_through_the_server_manager(tiny_chat_model
 def test_check_shows_a_running_job_and_run_refuses_red_prerequisites(tmp_path):
     """Headless, as in the console: a stage whose job runs reads running (not failed), and
     `run extract` does not start a job while a prerequisite stage is red; --force does."""
-    ws = make_workspace(tmp_path, **{"model.path": str(tmp_path / "no-such-model")})
+    ws = console_workspace(tmp_path, **{"model.path": str(tmp_path / "no-such-model")})
     cli = [sys.executable, "-m", "eagle3_console"]
     jobs = JobManager(ws.jobs_dir)
     job = jobs.start("extract", [sys.executable, "-c", GRACEFUL_JOB])

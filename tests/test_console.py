@@ -7,26 +7,24 @@ fake here, since NVML cannot answer on this machine).
 
 from __future__ import annotations
 
-from conftest import screen_lines, screen_text
-
-import json
 import os
 import re
 import sys
-from pathlib import Path
 
 import pytest
 from textual.content import Content
 from textual.widgets import Static
 
-from engine.config import load_config, set_value
+from engine.config import load_config
 from engine.core import Engine
 from engine.disk import usage_for
-from engine.workspace import Workspace, WorkspaceLock, init_workspace
+from engine.workspace import Workspace, WorkspaceLock
 from eagle3_console.app import TABS, ConsoleApp, closing_summary
 from eagle3_console.header import ConsoleHeader
 from eagle3_console.panes import ExtractionPane, GpuPane, PipelinePane
 from eagle3_console.panes.gpu import gpu_rows
+from tests.helpers.screen import screen_lines, screen_text, wait_until
+from tests.helpers.workspaces import console_workspace
 
 PANE_CLASSES = {"gpus": "GpuPane", "server": "ServerPane", "pipeline": "PipelinePane",
                 "extraction": "ExtractionPane", "training": "TrainingPane", "evaluation": "EvaluationPane",
@@ -37,36 +35,6 @@ STAGES = ["gpus", "model", "dataset", "server", "capture", "disk", "extract", "t
 # ----------------------------------------------------------------------------- helpers
 
 
-def write_min_model(path: Path) -> Path:
-    """A config.json-only model: enough for the disk budget (the model stage itself may fail)."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128, "vocab_size": 300,
-    }))
-    return path
-
-
-def make_workspace(tmp_path: Path, **settings) -> Workspace:
-    ws = init_workspace(tmp_path / "ws", demo=False)
-    config = ws.config
-    base = {"model.path": str(write_min_model(tmp_path / "model")), "extract.spool_dir": "spool",
-            "extract.disk_reserve_gb": 0.0}
-    for key, value in {**base, **settings}.items():
-        config = set_value(config, key, value)
-    ws.save_config(config)
-    return Workspace(ws.root)
-
-
-async def wait_until(pilot, predicate, timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await pilot.pause(0.05)
-    assert predicate(), "condition not reached in time"
-
-
 def fully_on_screen(app, widget) -> bool:
     region = widget.region
     return region.area > 0 and app.screen.region.contains_region(region)
@@ -74,7 +42,7 @@ def fully_on_screen(app, widget) -> bool:
 
 @pytest.fixture
 def ws(tmp_path) -> Workspace:
-    return make_workspace(tmp_path)
+    return console_workspace(tmp_path)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -201,7 +169,7 @@ async def test_disk_stage_fails_then_passes_after_the_fix(tmp_path):
     else:
         blocker.mkdir()
         blocker.chmod(0o500)
-    ws = make_workspace(tmp_path, **{"extract.output_dir": str(blocker / "out"), "extract.create_output_dir": True})
+    ws = console_workspace(tmp_path, **{"extract.output_dir": str(blocker / "out"), "extract.create_output_dir": True})
     app = ConsoleApp(Engine(ws))
     try:
         async with app.run_test(size=(80, 24)) as pilot:
@@ -330,7 +298,7 @@ async def test_closing_summary_lists_jobs_left_running(ws):
 
 
 async def test_unknown_configured_theme_falls_back_without_overwriting(tmp_path):
-    ws = make_workspace(tmp_path, **{"ui.theme": "no-such-theme"})
+    ws = console_workspace(tmp_path, **{"ui.theme": "no-such-theme"})
     app = ConsoleApp(Engine(ws))
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
@@ -342,7 +310,7 @@ async def test_unknown_configured_theme_falls_back_without_overwriting(tmp_path)
 async def test_eight_gpus_fit_at_80x24_with_trends_and_nccl(ws):
     """A hand-built 8-GPU snapshot (fake: no NVML here) through the real engine event path."""
     from engine.events import GpuUpdated
-    from tests.test_console_scenes import gpu_snapshot
+    from tests.helpers.scenes import gpu_snapshot
 
     engine = Engine(ws)
     app = ConsoleApp(engine)

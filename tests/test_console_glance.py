@@ -8,7 +8,8 @@ from __future__ import annotations
 import sys
 import time
 
-from conftest import screen_lines, screen_text
+from tests.helpers.screen import screen_lines, screen_text, wait_until
+from tests.helpers.workspaces import console_workspace
 
 from engine.checks.base import CheckResult, StageReport, StageState, Status
 from engine.core import Engine
@@ -20,8 +21,7 @@ from eagle3_console.keys import KEYS, NAVIGATION, help_lines
 from eagle3_console.panes import JobsPane, PipelinePane
 from eagle3_console.strip import JobProgress, RateTracker, StatusStrip, StripState, strip_markup
 from textual.content import Content
-from tests.test_console import make_workspace, wait_until
-from tests.test_console_scenes import T0, disks, extract_events, gpu_snapshot, job, server_status
+from tests.helpers.scenes import T0, disks, extract_events, gpu_snapshot, job, server_status
 
 
 def plain(markup: str) -> str:
@@ -74,7 +74,7 @@ def test_strip_fits_every_width_and_keeps_warnings_last_to_go():
 
 
 async def test_strip_shows_server_stages_job_warnings_and_gpus_at_80x24(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     engine = Engine(ws)
 
     async def no_pollers() -> None:
@@ -107,7 +107,7 @@ async def test_strip_shows_server_stages_job_warnings_and_gpus_at_80x24(tmp_path
 
 
 async def test_strip_says_restart_when_the_server_drifted_from_console_toml(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     engine = Engine(ws)
 
     async def no_pollers() -> None:
@@ -146,7 +146,7 @@ def test_one_key_table_navigation_never_starts_and_start_stop_are_uniform():
 
 
 async def test_read_only_console_neither_shows_nor_accepts_what_it_cannot_do(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     driver = Engine(ws)
     try:
         app = ConsoleApp(Engine(ws, drive=False))
@@ -173,7 +173,7 @@ async def test_read_only_console_neither_shows_nor_accepts_what_it_cannot_do(tmp
 
 
 async def test_starting_a_long_job_asks_with_duration_and_disk_need(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     engine = Engine(ws)
     app = ConsoleApp(engine)
     async with app.run_test(size=(80, 24)) as pilot:
@@ -192,7 +192,7 @@ async def test_starting_a_long_job_asks_with_duration_and_disk_need(tmp_path):
 
 
 async def test_red_stage_failing_check_and_fix_reachable_by_keys_at_80x24(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     engine = Engine(ws)
 
     async def no_pollers() -> None:
@@ -235,7 +235,7 @@ async def test_red_stage_failing_check_and_fix_reachable_by_keys_at_80x24(tmp_pa
 
 
 async def test_jobs_pane_lists_jobs_tails_logs_searches_and_stops(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     engine = Engine(ws)
     app = ConsoleApp(engine)
     code = ("import sys, time\nfor i in range(400):\n    print(f'line {i} working', flush=True)\n"

@@ -4,7 +4,8 @@ an injected parent-pid lookup stand in for NVML and /proc."""
 
 from __future__ import annotations
 
-from conftest import screen_text
+from tests.helpers.screen import screen_text, wait_until
+from tests.helpers.workspaces import console_workspace
 from textual.content import Content
 
 from engine.core import Engine
@@ -12,8 +13,7 @@ from engine.events import GpuUpdated, JobsUpdated
 from eagle3_console.app import ConsoleApp
 from eagle3_console.gpuprocs import attribute, process_lines
 from eagle3_console.panes import GpuPane
-from tests.test_console import make_workspace, wait_until
-from tests.test_console_scenes import SCENE_PARENTS, gpu_snapshot, job
+from tests.helpers.scenes import SCENE_PARENTS, gpu_snapshot, job
 
 GIB = 2**30
 JOBS = (job("server-1", "server", "running", pid=4242), job("train-1", "train", "running", pid=4300),
@@ -43,7 +43,7 @@ def test_no_nvml_no_process_list():
 
 
 async def test_gpu_pane_shows_whose_memory_it_is(tmp_path):
-    engine = Engine(make_workspace(tmp_path))
+    engine = Engine(console_workspace(tmp_path))
 
     async def no_pollers() -> None:
         return None

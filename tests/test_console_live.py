@@ -16,30 +16,28 @@ Screenshots land in /tmp/live_*.svg (80x24 and 160x50) for a human to look at.
 
 from __future__ import annotations
 
-from conftest import screen_lines, screen_text
-
 import json
 import re
 import socket
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 from textual.content import Content
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from engine.config import set_value
 from engine.core import Engine
 from engine.disk import usage_for
 from engine.events import ServerUpdated
 from engine.server.manager import ServerStatus
-from engine.workspace import Workspace, init_workspace
+from engine.workspace import Workspace
 from eagle3_console.app import ConsoleApp
 from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.panes import ExtractionPane, ServerPane, TrainingPane
+from tests.helpers.screen import screen_lines, screen_text, wait_until
+from tests.helpers.workspaces import console_workspace
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -53,33 +51,9 @@ def notifications(app) -> list[str]:
     return [n.message for n in app._notifications]
 
 
-async def wait_until(pilot, predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await pilot.pause(0.05)
-    assert predicate(), "condition not reached in time"
-
-
 def assert_fits_80(app) -> None:
     for line in screen_lines(app):
         assert len(line.rstrip()) <= 80, line
-
-
-def make_workspace(tmp_path: Path, **settings) -> Workspace:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300}))
-    ws = init_workspace(tmp_path / "ws", demo=False)
-    config = ws.config
-    for key, value in {"model.path": str(model), "extract.spool_dir": "spool", "extract.disk_reserve_gb": 0.0,
-                       **settings}.items():
-        config = set_value(config, key, value)
-    ws.save_config(config)
-    return Workspace(ws.root)
 
 
 def cancel_server_watcher(engine: Engine) -> None:
@@ -90,7 +64,7 @@ def cancel_server_watcher(engine: Engine) -> None:
 
 @pytest.fixture
 def ws(tmp_path) -> Workspace:
-    return make_workspace(tmp_path)
+    return console_workspace(tmp_path)
 
 
 def ready_status(throughput: float, **changes) -> ServerStatus:
@@ -177,7 +151,7 @@ async def test_server_start_failure_shows_reason_in_pane_and_notification(tmp_pa
     holder.listen()
     port = holder.getsockname()[1]
     try:
-        ws = make_workspace(tmp_path, **{"server.port": port})
+        ws = console_workspace(tmp_path, **{"server.port": port})
         engine = Engine(ws)
         app = ConsoleApp(engine)
         async with app.run_test(size=(80, 24)) as pilot:

@@ -19,7 +19,7 @@ import pytest
 
 from engine.jobs import JobManager
 from engine.workspace import WorkspaceLock
-from tests.test_console import make_workspace
+from tests.helpers.workspaces import console_workspace
 
 
 def _make_controlling_tty() -> None:  # runs in the child, after setsid (start_new_session)
@@ -54,7 +54,7 @@ def start_console_in_pty(ws_root, *, controlling: bool):
 
 @pytest.mark.parametrize("controlling", [True, False], ids=["sighup", "watchdog"])
 def test_console_exits_when_its_terminal_goes_away(tmp_path, controlling):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     jobs = JobManager(ws.jobs_dir)
     job = jobs.start("train", [sys.executable, "-c", "import time; time.sleep(60)"])
     proc, master = start_console_in_pty(ws.root, controlling=controlling)

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from engine.workspace import Workspace
-from tests.test_console import make_workspace
-from tests.test_console_status import start_paused_job
+from tests.helpers.jobs import start_paused_job
+from tests.helpers.workspaces import console_workspace
 
 
 def screenshot(ws, out, *extra: str) -> subprocess.CompletedProcess:
@@ -22,7 +22,7 @@ def svg_text(path) -> str:
 
 
 def test_screenshot_shows_a_running_job_and_never_takes_the_lock(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     jobs, job = start_paused_job(ws)
     try:
         result = screenshot(ws, tmp_path / "shots", "--tabs", "extraction,pipeline", "--size", "80x24",
@@ -41,7 +41,7 @@ def test_screenshot_shows_a_running_job_and_never_takes_the_lock(tmp_path):
 
 
 def test_screenshot_rejects_bad_arguments_with_the_fix(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     bad_tab = screenshot(ws, tmp_path / "s", "--tabs", "gpu")
     assert bad_tab.returncode == 2
     assert "unknown tab gpu: choose from gpus, server" in bad_tab.stderr

@@ -6,32 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
-from engine.jobs import JobManager
-from tests.test_console import make_workspace
-from tests.test_console_scenes import write_report
-
-JOB = """
-import time
-from engine.jobctx import JobContext
-ctx = JobContext.from_env()
-ctx.event("started", samples=40)
-ctx.progress(10, 40, eta_s=30, tokens_per_s=100.0)
-ctx.event("paused", reason="output disk below reserve")
-time.sleep(60)
-"""
-
-
-def start_paused_job(ws):
-    """A real extraction-kind job that reports progress 10/40 and then "paused"; waits for that event."""
-    jobs = JobManager(ws.jobs_dir)
-    job = jobs.start("extract", [sys.executable, "-c", JOB])
-    deadline = time.monotonic() + 20
-    events = job.dir / "events.jsonl"
-    while time.monotonic() < deadline and not (events.exists() and b"paused" in events.read_bytes()):
-        time.sleep(0.1)
-    return jobs, job
+from tests.helpers.jobs import start_paused_job
+from tests.helpers.scenes import write_report
+from tests.helpers.workspaces import console_workspace
 
 
 def status(ws, *extra: str) -> subprocess.CompletedProcess:
@@ -40,7 +18,7 @@ def status(ws, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_status_reports_server_job_progress_and_evaluation(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     result = status(ws)
     assert result.returncode == 0, result.stderr
     assert "server: stopped" in result.stdout

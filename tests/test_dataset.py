@@ -7,7 +7,7 @@ target server process on 127.0.0.1 and a real detached job that is killed and re
 
 from __future__ import annotations
 
-from conftest import stop_process, wait_healthy
+from tests.helpers.processes import stop_process, wait_healthy
 
 import json
 import os

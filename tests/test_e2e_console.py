@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import time
 from typing import Iterator
 
 import pytest
@@ -25,6 +24,7 @@ from engine.workspace import Workspace, init_workspace
 from eagle3_console.app import ConsoleApp
 from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.panes import EvaluationPane, ExtractionPane, PipelinePane, ServerPane, TrainingPane
+from tests.helpers.screen import wait_until
 
 TRAIN_SAMPLES = 400  # the demo's 400 (fewer train a drafter too weak to beat plain decoding)
 # Set EAGLE3_SCREENSHOTS=DIR to save SVGs of the console at work (docs/screenshots).
@@ -60,15 +60,6 @@ def demo_ws(demo_template, tmp_path) -> Iterator[Workspace]:
     jobs = JobManager(root / "jobs")
     for job in jobs.active():
         jobs.stop_sync(job.id, grace=5)
-
-
-async def wait_until(pilot, predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await pilot.pause(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for: {what}")
 
 
 async def test_demo_to_green_evaluate_by_keys(demo_ws):

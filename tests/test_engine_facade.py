@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import make_workspace, write_conversations
+from tests.helpers.workspaces import make_workspace, write_conversations
 from eagle3_console.cli import RunPrinter
 from engine import runner
 from engine.core import Engine, ReadOnlyError

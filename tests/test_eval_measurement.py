@@ -226,8 +226,8 @@ def oracle(tmp_path_factory):
     knows it two tokens ahead, as tests/test_evaluate.py's oracle test: draft 1 is always accepted."""
     from transformers import AutoModelForCausalLM
 
-    from conftest import build_tiny_model
-    from test_evaluate import make_drafter
+    from tests.helpers.models import build_tiny_model
+    from tests.helpers.drafters import make_drafter
 
     path = build_tiny_model(tmp_path_factory.mktemp("oracle"))
     bigram = AutoModelForCausalLM.from_pretrained(str(path)).eval()
@@ -265,7 +265,7 @@ def test_batched_decoding_equals_batch1_greedy_row_for_row(oracle, steps):
 
     from engine.evaluate.batched import batched_greedy, batched_speculative
     from engine.evaluate.specdec import greedy_decode, speculative_decode
-    from test_evaluate import AUX
+    from tests.helpers.drafters import AUX
 
     bigram, good, _random, path = oracle
     plain = AutoModelForCausalLM.from_pretrained(str(path)).eval()
@@ -284,7 +284,7 @@ def test_batched_decoding_equals_batch1_greedy_row_for_row(oracle, steps):
 
 def _setup(target, drafter):
     from engine.evaluate.local_eval import LocalSetup
-    from test_evaluate import AUX
+    from tests.helpers.drafters import AUX
 
     return LocalSetup(target, drafter, AUX, [], "cpu", "float32", [])
 
@@ -366,7 +366,7 @@ def _levels_report():
 async def test_pane_shows_one_row_per_concurrency_on_the_visible_screen(size):
     from textual.app import App
 
-    from conftest import screen_text
+    from tests.helpers.screen import screen_text
     from eagle3_console.panes.evaluation import EvaluationPane, progress_text
     from engine.jobevents import Progress
 
@@ -443,9 +443,9 @@ def test_running_evaluation_progress_in_status_and_the_stage(tmp_path):
     from engine.checks.context import CheckContext
     from engine.checks.evaluate import check_evaluate
     from engine.jobs import JobManager
-    from tests.test_console import make_workspace
+    from tests.helpers.workspaces import console_workspace
 
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     jobs = JobManager(ws.jobs_dir)
     job = jobs.start("evaluate", [sys.executable, "-c", EVAL_JOB])
     try:

@@ -12,7 +12,7 @@ import pytest
 
 from engine.evaluate.sglang_eval import EvalServer, SglangEvalError
 from engine.jobs import JobManager
-from tests.conftest import free_port
+from tests.helpers.processes import free_port
 
 
 def test_eval_server_is_a_job_that_starts_serves_and_stops(tmp_path, tiny_model_dir):

@@ -2,8 +2,8 @@
 
 Everything runs for real on a tiny random Llama (hidden 64, 4 layers, vocab ~300, weights N(0, 0.2)):
 transformers target with KV cache, our drafter, the real training loop on real records, the
-evaluation as a real detached job. The SGLang backend cannot run here (no SGLang, no GPU): only its
-argv and reply/metrics parsing are tested.
+evaluation as a real detached job. The SGLang backend cannot run here (no SGLang, no GPU): its argv
+and reply/metrics parsing are tested here, its measurement in tests/test_evaluate_sglang.py.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from engine.evaluate.specdec import (  # noqa: E402
     greedy_decode,
     speculative_decode,
 )
-from engine.train.model import DraftConfig, Eagle3Drafter  # noqa: E402
+from tests.helpers.drafters import AUX, make_drafter, training_attention_reference  # noqa: E402
 
-AUX = [1, 2, 3]  # SGLang ids for a 4-layer target = outputs of layers 0, 1, 2
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -44,7 +43,7 @@ def one_thread():
 def target_dir(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from conftest import build_tiny_model
+    from tests.helpers.models import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("eval_target"))
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -60,39 +59,7 @@ def target(target_dir):
     return AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
 
 
-def make_drafter(target, draft_vocab: int = 200, seed: int = 0, hot_ids=None) -> Eagle3Drafter:
-    cfg = target.config
-    dcfg = DraftConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                       num_key_value_heads=cfg.num_key_value_heads, intermediate_size=cfg.intermediate_size,
-                       vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab, rms_norm_eps=cfg.rms_norm_eps,
-                       aux_layers_sglang=AUX)
-    torch.manual_seed(seed)
-    drafter = Eagle3Drafter(dcfg)
-    if hot_ids is None:  # an uneven subset, so d2t offsets are not all equal
-        hot_ids = torch.sort(torch.randperm(cfg.vocab_size)[:draft_vocab]).values
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[hot_ids] = True
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        for name, param in drafter.named_parameters():
-            if param.dim() > 1 and name != "embed_tokens.weight":
-                param.normal_(0.0, 0.2)
-        drafter.set_vocab(hot_ids - torch.arange(draft_vocab), t2d)
-    return drafter.eval()
-
-
 PROMPTS = [[5, 6, 7, 8, 9], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [200, 17, 99, 3, 250, 8]]
-
-
-CHAIN_IDS = [[7, 19, 33, 2, 150, 61, 8, 90, 12, 250, 44, 5, 71, 3]]
-
-
-def training_attention_reference(target, drafter, steps: int = 3):
-    """(ids, target aux features, Eagle3Drafter.draft_logits: the TTT forward a chain must reproduce)."""
-    ids = torch.tensor(CHAIN_IDS)
-    with torch.no_grad():
-        aux = aux_features(target(input_ids=ids, output_hidden_states=True).hidden_states, AUX)
-        return ids, aux, drafter.draft_logits(ids, aux, steps=steps)
 
 
 def test_draft_runner_is_the_training_attention(target):

@@ -15,7 +15,8 @@ import psutil
 import pytest
 import torch
 
-from conftest import lock_held_by_another_process, make_workspace, write_conversations
+from tests.helpers.processes import lock_held_by_another_process
+from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.checks.context import CheckContext
 from engine.config import set_value
 from engine.extract.job import COMPLETE, Extractor

@@ -18,7 +18,7 @@ from engine.evaluate.fastllama import (  # noqa: E402
     unsupported_reason,
 )
 from engine.evaluate.specdec import DraftRunner, aux_features, greedy_decode, speculative_decode  # noqa: E402
-from test_evaluate import AUX, make_drafter, training_attention_reference  # noqa: E402
+from tests.helpers.drafters import AUX, make_drafter, training_attention_reference  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
 
@@ -54,7 +54,7 @@ def random_llama(seed: int = 0, **changes):
 def checkpoint(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from conftest import build_tiny_model
+    from tests.helpers.models import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("fast_target"))
     return AutoModelForCausalLM.from_pretrained(str(path)).eval()

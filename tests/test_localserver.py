@@ -6,7 +6,7 @@ loaded in-process as the reference for tokens and hidden states.
 
 from __future__ import annotations
 
-from conftest import free_port, local_server_argv, stop_process, wait_healthy
+from tests.helpers.processes import free_port, local_server_argv, stop_process, wait_healthy
 
 import asyncio
 import http.server

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from conftest import make_workspace, write_conversations
+from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.checks.context import CheckContext
 from engine.pipeline import Pipeline
 from engine.server.manager import ServerManager, ServerStartError

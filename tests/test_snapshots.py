@@ -2,7 +2,7 @@
 done states: at 80x24 (one tab at a time), 120x40 (Pipeline beside the chosen pane) and 200x60
 (every pane at once). The status strip is on every frame.
 
-Scenes come from tests/test_console_scenes.py: a real console over a real workspace fed fixed
+Scenes come from tests/helpers/scenes.py: a real console over a real workspace fed fixed
 engine events and fixed files (the 8-GPU snapshot is hand-built: no NVML on CI). Update the
 baselines with `pytest tests/test_snapshots.py --snapshot-update` and review the SVG diff.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_console import make_workspace
-from tests.test_console_scenes import apply_scene, make_app
+from tests.helpers.workspaces import console_workspace
+from tests.helpers.scenes import apply_scene, make_app
 
 NARROW = [
     ("gpus", "empty"), ("gpus", "running"),
@@ -29,7 +29,7 @@ SPLIT = [("jobs", "failed"), ("extraction", "running"), ("training", "done"), ("
 
 @pytest.mark.parametrize(("tab", "scene"), NARROW, ids=[f"{t}-{s}" for t, s in NARROW])
 def test_pane_at_80x24(snap_compare, tmp_path, tab, scene):
-    app = make_app(make_workspace(tmp_path), scene)
+    app = make_app(console_workspace(tmp_path), scene)
 
     async def run_before(pilot) -> None:
         await apply_scene(app, pilot, scene, tab)
@@ -39,7 +39,7 @@ def test_pane_at_80x24(snap_compare, tmp_path, tab, scene):
 
 @pytest.mark.parametrize(("tab", "scene"), SPLIT, ids=[f"{t}-{s}" for t, s in SPLIT])
 def test_two_columns_at_120x40(snap_compare, tmp_path, tab, scene):
-    app = make_app(make_workspace(tmp_path), scene)
+    app = make_app(console_workspace(tmp_path), scene)
 
     async def run_before(pilot) -> None:
         await apply_scene(app, pilot, scene, tab)
@@ -49,7 +49,7 @@ def test_two_columns_at_120x40(snap_compare, tmp_path, tab, scene):
 
 @pytest.mark.parametrize("scene", WIDE)
 def test_all_panes_at_200x60(snap_compare, tmp_path, scene):
-    app = make_app(make_workspace(tmp_path), scene)
+    app = make_app(console_workspace(tmp_path), scene)
 
     async def run_before(pilot) -> None:
         await apply_scene(app, pilot, scene, "pipeline")

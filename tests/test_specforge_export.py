@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_workspace, write_conversations
+from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.records import load_record, load_token_counts, read_manifest, read_run_meta
 from engine.release import output_dir_of
 from engine.specforge_export import SPECFORGE_COMMIT, SUMMARY, ExportError, export_specforge, specforge_relpath

@@ -4,7 +4,7 @@ threads when that child is killed under it."""
 
 from __future__ import annotations
 
-from conftest import free_port, local_server_argv, stop_process, wait_healthy
+from tests.helpers.processes import free_port, local_server_argv, stop_process, wait_healthy
 
 import asyncio
 import os

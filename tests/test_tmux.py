@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_console import make_workspace
+from tests.helpers.workspaces import console_workspace
 
 TMUX = shutil.which("tmux")
 pytestmark = pytest.mark.skipif(TMUX is None, reason="tmux is not installed (.ci/run installs it)")
@@ -51,7 +51,7 @@ def wait_for(socket: str, predicate, timeout: float = 30.0) -> str:
 
 
 def test_installed_console_in_tmux(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     socket = f"eagle3-test-{uuid.uuid4().hex[:8]}"  # a private tmux server, never the user's
     marker = tmp_path / "exited"
     command = f"{console_binary()} -w {ws.root}; echo $? > {marker}; sleep 30"

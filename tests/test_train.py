@@ -17,73 +17,8 @@ import pytest
 import torch
 
 from engine import records
-from engine.capture.layers import to_sglang_numbering
 from engine.workspace import Workspace, init_workspace
-
-def _language(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
-    """Deterministic language over 40 tokens: next = perm[prev], with a fresh random start."""
-    gen = torch.Generator().manual_seed(1234)
-    tokens = torch.randperm(vocab - 10, generator=gen)[:40] + 5
-    perm = torch.randperm(40, generator=gen)
-    rng = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        i = int(torch.randint(0, 40, (1,), generator=rng))
-        seq = []
-        for _ in range(length):
-            seq.append(int(tokens[i]))
-            i = int(perm[i])
-        out.append(seq)
-    return out
-
-
-def make_records(model_dir: Path, run_dir: Path, n: int = 24, length: int = 40, seed: int = 0) -> dict:
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    num_layers = model.config.num_hidden_layers
-    layers = [1, num_layers // 2 - 1, num_layers - 4]
-    layers = sorted(set(layers)) if len(set(layers)) == 3 else [0, 1, 2]
-    vocab = model.config.vocab_size
-    counts = torch.zeros(vocab, dtype=torch.int64)
-    with torch.no_grad():
-        for index, seq in enumerate(_language(seed, n, length, vocab)):
-            ids = torch.tensor([seq])
-            out = model.model(input_ids=ids, output_hidden_states=True)
-            aux = torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)
-            final = out.last_hidden_state[0]
-            mask = torch.ones(length, dtype=torch.int64)
-            mask[:4] = 0  # a short "prompt"
-            entry = records.write_record(run_dir, index, f"s{index:04d}", ids[0], mask, aux, final)
-            records.append_manifest(run_dir, entry)
-            counts += torch.bincount(ids[0][mask.bool()], minlength=vocab)
-    records.write_run_meta(run_dir, {"model": str(model_dir), "hidden_size": model.config.hidden_size,
-                                     "layers": layers, "layers_sglang": to_sglang_numbering(layers),
-                                     "num_samples": n, "dtype": "bfloat16"})
-    records.save_token_counts(run_dir, counts)
-    return {"layers": layers, "model": model}
-
-
-def make_workspace(root: Path, model_dir: Path, hidden_run: Path, **train) -> Workspace:
-    ws = init_workspace(root)
-    config = ws.config
-    config.model.path = str(model_dir)
-    config.extract.output_dir = str(hidden_run.parent)
-    config.extract.run = hidden_run.name
-    config.train.draft_vocab_size = 256
-    config.train.learning_rate = 1e-2
-    config.train.warmup_ratio = 0.05
-    config.train.max_len = 40
-    config.train.batch_size = 2
-    config.train.ttt_steps = 3
-    config.train.log_every = 5
-    config.train.save_every = 10
-    config.train.eval_fraction = 0.15
-    config.train.epochs = 4
-    for key, value in train.items():
-        setattr(config.train, key, value)
-    ws.save_config(config)
-    return Workspace(root)
+from tests.helpers.training import make_records, train_workspace
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +37,7 @@ def test_loss_falls_accuracy_rises_and_export_reproduces(hidden_run, tiny_model_
     from engine.train.export import check_export, load_export
     from engine.train.loop import Trainer
 
-    ws = make_workspace(tmp_path / "ws", tiny_model_dir, hidden_run)
+    ws = train_workspace(tmp_path / "ws", tiny_model_dir, hidden_run)
     trainer = Trainer(ws)
     assert trainer.run() == 0
     rows = read_metrics(ws)
@@ -169,10 +104,10 @@ def test_loss_falls_accuracy_rises_and_export_reproduces(hidden_run, tiny_model_
 def test_resume_equals_uninterrupted(hidden_run, tiny_model_dir, tmp_path):
     from engine.train.loop import Trainer
 
-    straight = make_workspace(tmp_path / "a", tiny_model_dir, hidden_run, epochs=2, save_every=100, log_every=4)
+    straight = train_workspace(tmp_path / "a", tiny_model_dir, hidden_run, epochs=2, save_every=100, log_every=4)
     t_full = Trainer(straight, max_steps=8)
     t_full.run()
-    split = make_workspace(tmp_path / "b", tiny_model_dir, hidden_run, epochs=2, save_every=100, log_every=4)
+    split = train_workspace(tmp_path / "b", tiny_model_dir, hidden_run, epochs=2, save_every=100, log_every=4)
     Trainer(split, max_steps=4).run()
     t_resumed = Trainer(split, resume=True, max_steps=4)
     t_resumed.run()
@@ -193,7 +128,7 @@ def test_bad_inputs_fail_clearly(hidden_run, tiny_model_dir, tmp_path):
     empty = tmp_path / "hidden" / "empty"
     empty.mkdir(parents=True)
     records.write_run_meta(empty, {"hidden_size": 64, "layers": [0, 1, 2]})
-    ws = make_workspace(tmp_path / "w1", tiny_model_dir, empty)
+    ws = train_workspace(tmp_path / "w1", tiny_model_dir, empty)
     with pytest.raises(TrainError, match="no records.*run the extraction"):
         Trainer(ws).setup()
 
@@ -201,14 +136,14 @@ def test_bad_inputs_fail_clearly(hidden_run, tiny_model_dir, tmp_path):
     shutil.copytree(hidden_run, other)
     meta = json.loads((other / "run.json").read_text())
     records.write_run_meta(other, {**meta, "hidden_size": 128})
-    ws = make_workspace(tmp_path / "w2", tiny_model_dir, other)
+    ws = train_workspace(tmp_path / "w2", tiny_model_dir, other)
     with pytest.raises(TrainError, match="hidden size 128 but the target model has 64"):
         Trainer(ws).setup()
 
     no_head = tmp_path / "nohead"
     no_head.mkdir()
     shutil.copy(tiny_model_dir / "config.json", no_head / "config.json")
-    ws = make_workspace(tmp_path / "w3", no_head, hidden_run)
+    ws = train_workspace(tmp_path / "w3", no_head, hidden_run)
     with pytest.raises(TrainError, match="LM head"):
         Trainer(ws).setup()
 
@@ -223,7 +158,7 @@ def test_job_sigterm_checkpoints_and_resumes(hidden_run, tiny_model_dir, tmp_pat
     from engine.train import checkpoint as ckpt
     from engine.train.launch import build_train_argv
 
-    ws = make_workspace(tmp_path / "ws", tiny_model_dir, hidden_run, epochs=400, save_every=100000, log_every=1)
+    ws = train_workspace(tmp_path / "ws", tiny_model_dir, hidden_run, epochs=400, save_every=100000, log_every=1)
     argv = build_train_argv(ws)
     assert argv[1:3] == ["-m", "engine.train"] and "--resume" not in argv
     jobs = JobManager(ws.jobs_dir)
@@ -280,7 +215,7 @@ def test_train_stage_vouches_only_for_a_signed_finite_export(hidden_run, tiny_mo
     from engine.train.export import MANIFEST
     from engine.train.loop import Trainer
 
-    ws = make_workspace(tmp_path / "ws", tiny_model_dir, hidden_run, epochs=1)
+    ws = train_workspace(tmp_path / "ws", tiny_model_dir, hidden_run, epochs=1)
     assert Trainer(ws).run() == 0
     export = ws.drafter_dir / "export"
     weights = export / "model.safetensors"
@@ -319,7 +254,7 @@ def test_resume_refuses_a_damaged_checkpoint_and_falls_back_to_an_intact_one(hid
     from engine.train import checkpoint as ckpt
     from engine.train.loop import Trainer, TrainError
 
-    ws = make_workspace(tmp_path / "ws", tiny_model_dir, hidden_run, save_every=2, log_every=1)
+    ws = train_workspace(tmp_path / "ws", tiny_model_dir, hidden_run, save_every=2, log_every=1)
     Trainer(ws, max_steps=6).run()
     root = ckpt.ckpt_root(ws.drafter_dir)
     assert ckpt.latest(ws.drafter_dir)["step"] == 6

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.train.data import Batch, BatchPrefetcher, RecordData, TrainDataError
-from tests.test_train import make_records, make_workspace
+from tests.helpers.training import make_records, train_workspace
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_training_through_the_prefetcher_is_unchanged(run_dir, tiny_model_dir, t
     """The trainer on the prefetcher reaches the weights of a trainer that collates each batch itself."""
     import engine.train.loop as loop
 
-    ws_a = make_workspace(tmp_path / "a", tiny_model_dir, run_dir, epochs=1, save_every=100, log_every=2)
+    ws_a = train_workspace(tmp_path / "a", tiny_model_dir, run_dir, epochs=1, save_every=100, log_every=2)
     prefetched = loop.Trainer(ws_a, max_steps=4)
     prefetched.run()
 
@@ -127,7 +127,7 @@ def test_training_through_the_prefetcher_is_unchanged(run_dir, tiny_model_dir, t
             return None
 
     monkeypatch.setattr(loop, "BatchPrefetcher", Plain)
-    ws_b = make_workspace(tmp_path / "b", tiny_model_dir, run_dir, epochs=1, save_every=100, log_every=2)
+    ws_b = train_workspace(tmp_path / "b", tiny_model_dir, run_dir, epochs=1, save_every=100, log_every=2)
     plain = loop.Trainer(ws_b, max_steps=4)
     plain.run()
     assert prefetched.step == plain.step == 4

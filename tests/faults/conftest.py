@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, make_workspace, write_conversations
+from tests.helpers.processes import free_port
+from tests.helpers.workspaces import make_workspace, write_conversations
 from faults import ledger
 
 SEED = int(os.environ.get("FAULT_SEED", "1234"))
@@ -88,6 +89,43 @@ def fault_workspace(root: Path, model_dir: Path, server, n: int, seed: int = 0, 
                                             "server.restart_on_crash": False, **changes})
     write_conversations(ws.root / "train.jsonl", n, seed=seed)
     return ws
+
+
+# ---- training on records extracted from the shared server (kill-training and resume tests) ----
+
+FAULT_TRAIN = {"train.draft_vocab_size": 128, "train.max_len": 64, "train.batch_size": 2, "train.ttt_steps": 3,
+               "train.log_every": 1, "train.save_every": 3, "train.eval_fraction": 0.15, "train.epochs": 3,
+               "train.learning_rate": 1e-2, "train.warmup_ratio": 0.05}
+
+
+@pytest.fixture(scope="module")
+def hidden_run(tiny_chat_model_dir, shared_server, tmp_path_factory):
+    """Real records of 20 samples, extracted from the shared server."""
+    from engine.extract.job import Extractor
+
+    ws = fault_workspace(tmp_path_factory.mktemp("train_src") / "ws", tiny_chat_model_dir, shared_server, n=20)
+    assert asyncio.run(Extractor(ws).run()) == 0
+    return ws.hidden_dir
+
+
+def fault_train_workspace(root: Path, model_dir: Path, hidden_run: Path):
+    """A workspace that trains on `hidden_run` with FAULT_TRAIN's small settings."""
+    changes = {**FAULT_TRAIN, "extract.output_dir": str(hidden_run.parent), "extract.run": hidden_run.name}
+    return make_workspace(root, model_dir, **changes)
+
+
+def metric_rows(ws) -> list[dict]:
+    """The run's metrics.jsonl rows so far (a torn last line is the resumed run's to drop)."""
+    path = ws.drafter_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 # ---- invariants, checked independently of the engine's own verification ------------------

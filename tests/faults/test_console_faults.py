@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from conftest import make_workspace
+from tests.helpers.workspaces import make_workspace
 from engine.jobctx import read_record
 from engine.jobs import JobManager
 from engine.procinfo import is_same_process

@@ -33,7 +33,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import make_workspace
+from tests.helpers.workspaces import make_workspace
 from engine.jobs import JobManager
 from engine.procinfo import is_same_process
 from engine.workspace import WorkspaceLock

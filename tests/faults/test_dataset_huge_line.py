@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import make_workspace, write_conversations
+from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.disk import fmt_bytes
 from faults import ledger
 

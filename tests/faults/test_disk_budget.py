@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import make_workspace, write_conversations
+from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.checks.base import Status
 from engine.checks.context import CheckContext
 from engine.disk import bytes_per_token, fmt_bytes

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def hidden_run(tiny_model_dir, tmp_path_factory) -> Path:
-    from test_train import make_records
+    from tests.helpers.training import make_records
 
     run_dir = tmp_path_factory.mktemp("hidden_integrity") / "run1"
     make_records(tiny_model_dir, run_dir, n=14)
@@ -40,9 +40,9 @@ def hidden_run(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 def _train_ws(root: Path, model_dir: Path, hidden_run: Path, **train):
-    from test_train import make_workspace
+    from tests.helpers.training import train_workspace
 
-    return make_workspace(root, model_dir, hidden_run, **{"log_every": 1, "save_every": 100, "epochs": 1, **train})
+    return train_workspace(root, model_dir, hidden_run, **{"log_every": 1, "save_every": 100, "epochs": 1, **train})
 
 
 def _cli_check_train(ws) -> subprocess.CompletedProcess:

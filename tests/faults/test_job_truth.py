@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, make_workspace as make_model_workspace, screen_text, write_conversations
+from tests.helpers.processes import free_port
+from tests.helpers.screen import screen_text, wait_until
+from tests.helpers.workspaces import console_workspace, make_workspace, write_conversations
 from engine.config import set_value
 from engine.core import Engine
 from engine.jobs import JobManager
@@ -35,7 +37,6 @@ from eagle3_console.app import ConsoleApp
 from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.panes import PipelinePane
 from engine.checks.extract import START_FIX
-from tests.test_console import make_workspace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,15 +95,6 @@ def record_toasts(app) -> list[str]:
     return seen
 
 
-async def wait_until(pilot, predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await pilot.pause(0.1)
-    assert predicate(), f"{what() if callable(what) else what} not reached in {timeout:.0f} s"
-
-
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -126,8 +118,8 @@ def stage_line(status_text: str, stage: str) -> str:
 
 async def test_failed_extraction_says_why_in_toast_pane_check_and_jobs_list(tmp_path, tiny_chat_model_dir):
     with read_only_dir(tmp_path / "ro") as (ro, cause):
-        ws = make_model_workspace(tmp_path / "ws", tiny_chat_model_dir,
-                                  **{"dataset.path": "train.jsonl", "extract.output_dir": str(ro)})
+        ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir,
+                            **{"dataset.path": "train.jsonl", "extract.output_dir": str(ro)})
         write_conversations(ws.root / "train.jsonl", 5)
         engine = Engine(Workspace(ws.root))
         app = ConsoleApp(engine)
@@ -190,7 +182,7 @@ def test_reason_is_the_last_error_line_of_the_log(tmp_path):
 
 
 async def test_starting_a_job_with_red_prerequisites_asks_and_names_them(tmp_path):
-    ws = make_workspace(tmp_path)  # no server: the `server` stage is red once checked
+    ws = console_workspace(tmp_path)  # no server: the `server` stage is red once checked
     engine = Engine(ws)
     app = ConsoleApp(engine)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -279,7 +271,7 @@ def test_client_backs_off_a_foreign_server_and_names_its_owner_once(tmp_path, ca
         ledger.add("foreign server on the port (4 pollers, 6 s)", trials=1, faults=1)
 
         # The console and `status` of a workspace whose server.port it holds name it too, once.
-        ws = make_workspace(tmp_path / "console", **{"server.port": port})
+        ws = console_workspace(tmp_path / "console", **{"server.port": port})
         assert f"held by pid {proc.pid}" in cli(ws, "status").stdout
         asyncio.run(_console_names_the_owner_once(ws, proc.pid))
     finally:
@@ -310,7 +302,7 @@ def _answers(httpx, port: int) -> bool:
 
 
 async def test_running_jobs_show_running_in_status_and_pipeline_rows(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     first = Engine(ws)
     await first.run_checks(["extract", "train"])  # no run yet: both red, and recorded
     await first.close()
@@ -351,7 +343,7 @@ async def test_running_jobs_show_running_in_status_and_pipeline_rows(tmp_path):
 
 
 async def test_results_under_another_config_or_before_a_job_read_stale(tmp_path):
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     engine = Engine(ws)
     await engine.run_checks(["model", "evaluate"])
     await engine.close()

@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from conftest import make_workspace, write_conversations
+from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.config import set_value
 from engine.procinfo import is_same_process
 from engine.server.manager import ServerManager

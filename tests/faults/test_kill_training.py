@@ -9,52 +9,18 @@ reference step for step, exactly once each; the best checkpoint and the export m
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
 
-import pytest
 import torch
 
 from engine.config import set_value
-from engine.extract.job import Extractor
 from faults import ledger, zygote
-from faults.conftest import SEED, fault_workspace
+from faults.conftest import SEED, fault_train_workspace, metric_rows
 
 TRIALS = 20
 COMPARED = ("loss", "acc", "sim_al", "lr", "grad_norm")
-TRAIN = {"train.draft_vocab_size": 128, "train.max_len": 64, "train.batch_size": 2, "train.ttt_steps": 3,
-         "train.log_every": 1, "train.save_every": 3, "train.eval_fraction": 0.15, "train.epochs": 3,
-         "train.learning_rate": 1e-2, "train.warmup_ratio": 0.05}
-
-
-@pytest.fixture(scope="module")
-def hidden_run(tiny_chat_model_dir, shared_server, tmp_path_factory):
-    """Real records of 20 samples, extracted from the shared server."""
-    ws = fault_workspace(tmp_path_factory.mktemp("train_src") / "ws", tiny_chat_model_dir, shared_server, n=20)
-    assert asyncio.run(Extractor(ws).run()) == 0
-    return ws.hidden_dir
-
-
-def _train_ws(root, model_dir, hidden_run):
-    from conftest import make_workspace
-
-    changes = {**TRAIN, "extract.output_dir": str(hidden_run.parent), "extract.run": hidden_run.name}
-    return make_workspace(root, model_dir, **changes)
-
-
-def _rows(ws) -> list[dict]:
-    path = ws.drafter_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line is the resumed run's to drop
-    return rows
 
 
 def _same(row: dict, ref: dict) -> bool:
@@ -66,20 +32,20 @@ def test_training_kill_9_resumes_with_identical_metrics(tiny_chat_model_dir, hid
     from engine.train.loop import Trainer
 
     torch.set_num_threads(1)
-    ref_ws = _train_ws(tmp_path / "ref", tiny_chat_model_dir, hidden_run)
+    ref_ws = fault_train_workspace(tmp_path / "ref", tiny_chat_model_dir, hidden_run)
     started = time.monotonic()
     ref = Trainer(ref_ws, device="cpu")
     assert ref.run() == 0
     full_s = time.monotonic() - started
-    reference = {(r["type"], r["step"]): r for r in _rows(ref_ws)}
+    reference = {(r["type"], r["step"]): r for r in metric_rows(ref_ws)}
     ref_best = ckpt.best(ref_ws.drafter_dir)
 
-    ws = _train_ws(tmp_path / "kill", tiny_chat_model_dir, hidden_run)
+    ws = fault_train_workspace(tmp_path / "kill", tiny_chat_model_dir, hidden_run)
     rng = random.Random(SEED + 1)
     problems, kills, checked, runs = [], 0, 0, 0
 
     def finished_run_problems() -> list[str]:
-        rows = _rows(ws)
+        rows = metric_rows(ws)
         keys = [(r["type"], r["step"]) for r in rows]
         found = []
         if len(keys) != len(set(keys)):
@@ -115,7 +81,7 @@ def test_training_kill_9_resumes_with_identical_metrics(tiny_chat_model_dir, hid
                     problems.append(f"trial {trial}: latest.json says step {latest['step']}, state {state['step']}")
             except Exception as exc:  # noqa: BLE001 - any failure to load is a finding
                 problems.append(f"trial {trial}: latest checkpoint unloadable: {exc}")
-        for row in _rows(ws):
+        for row in metric_rows(ws):
             checked += 1
             ref_row = reference.get((row["type"], row["step"]))
             if ref_row is None or not _same(row, ref_row):
@@ -130,7 +96,7 @@ def test_training_kill_9_resumes_with_identical_metrics(tiny_chat_model_dir, hid
     proc.join(120)
     assert proc.exitcode == 0, (ws.jobs_dir / "train-final" / "log.txt").read_text()[-3000:]
     problems += finished_run_problems()
-    checked += len(_rows(ws))
+    checked += len(metric_rows(ws))
     ledger.add("kill -9 training", trials=TRIALS, faults=kills, records=checked, losses=len(problems))
     assert not problems, problems[:10]
     assert kills >= TRIALS // 3, f"only {kills} of {TRIALS} trials were killed mid-run (full run {full_s:.1f}s)"

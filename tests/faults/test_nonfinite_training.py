@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import screen_text
+from tests.helpers.screen import screen_text
 from faults import ledger
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def as_number(value) -> float | None:
 
 @pytest.fixture(scope="module")
 def hidden_run(tiny_model_dir, tmp_path_factory) -> Path:
-    from test_train import make_records
+    from tests.helpers.training import make_records
 
     run_dir = tmp_path_factory.mktemp("hidden_nf") / "run1"
     make_records(tiny_model_dir, run_dir, n=14)
@@ -59,9 +59,9 @@ def hidden_run(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 def _train_ws(root: Path, model_dir: Path, hidden_run: Path, **train):
-    from test_train import make_workspace
+    from tests.helpers.training import train_workspace
 
-    return make_workspace(root, model_dir, hidden_run, **{"log_every": 1, "save_every": 100, **train})
+    return train_workspace(root, model_dir, hidden_run, **{"log_every": 1, "save_every": 100, **train})
 
 
 def test_a_learning_rate_that_blows_up_stops_after_n_nonfinite_steps(tiny_model_dir, hidden_run, tmp_path):
@@ -226,9 +226,9 @@ NAN_LINES = [
 
 
 def _nan_workspace(tmp_path: Path, only_nonfinite: bool = False):
-    from tests.test_console import make_workspace
+    from tests.helpers.workspaces import console_workspace
 
-    ws = make_workspace(tmp_path)
+    ws = console_workspace(tmp_path)
     ws.drafter_dir.mkdir(parents=True, exist_ok=True)
     lines = [NAN_LINES[i] for i in (1, 3, 4, 5)] if only_nonfinite else NAN_LINES
     (ws.drafter_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")

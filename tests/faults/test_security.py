@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import make_workspace, write_conversations
+from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.config import ConfigError, parse_config
 from engine.server.manager import ServerManager
 from faults import ledger, zygote

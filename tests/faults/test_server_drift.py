@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, lock_held_by_another_process, make_workspace, write_conversations
+from tests.helpers.processes import free_port, lock_held_by_another_process
+from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.checks.context import CheckContext
 from engine.config import set_value
 from engine.extract.guard import ExtractionRefused
@@ -379,11 +380,10 @@ def test_engine_says_it_once_and_rechecks_the_server_stages(tmp_path, model8):
 async def test_console_applies_console_toml_by_restarting_the_server(model8, tmp_path):
     """The real console on a real drifted server, at 80x24: the strip says so, `a` on the Server pane
     asks naming the setting, `y` restarts the server from console.toml, and the drift is gone."""
-    from conftest import screen_text
     from engine.core import Engine
     from eagle3_console.app import ConsoleApp
     from eagle3_console.confirm import ConfirmScreen
-    from tests.test_console import wait_until
+    from tests.helpers.screen import screen_text, wait_until
 
     ws = _ws(tmp_path / "ws", model8, **{"extract.spool_dir": str(tmp_path / "spoolA"),
                                          "server.port": free_port()})

@@ -1,0 +1,15 @@
+"""The one home of helpers shared by test modules (test modules never import each other).
+
+- models: the tiny real Llama + BPE tokenizer (the `tiny_model_dir` fixture builds it) and a
+  config-only model directory.
+- workspaces: real workspaces on a loadable model or on a config-only one; conversations.
+- training: records made in-process from a tiny target, and a workspace that trains on them.
+- drafters: a random EAGLE-3 drafter over a target, and the training forward chains must match.
+- processes: free ports, the local server's command line and health wait, a second lock holder.
+- jobs: real detached jobs in a known state.
+- screen: what a Textual app shows as text, and waiting for it under Pilot.
+- scenes: deterministic console scenes for snapshots and screenshots.
+
+Fixtures stay in conftest.py (tests/faults/conftest.py for the fault suite's own); anything a
+test module imports comes from here.
+"""

@@ -1,0 +1,43 @@
+"""Drafters for evaluation tests: a randomly initialised EAGLE-3 drafter over a target, and the
+training-time forward a decoding chain must reproduce."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.evaluate.specdec import aux_features
+from engine.train.model import DraftConfig, Eagle3Drafter
+
+AUX = [1, 2, 3]  # SGLang ids for a 4-layer target = outputs of layers 0, 1, 2
+
+
+def make_drafter(target, draft_vocab: int = 200, seed: int = 0, hot_ids=None) -> Eagle3Drafter:
+    cfg = target.config
+    dcfg = DraftConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.num_key_value_heads, intermediate_size=cfg.intermediate_size,
+                       vocab_size=cfg.vocab_size, draft_vocab_size=draft_vocab, rms_norm_eps=cfg.rms_norm_eps,
+                       aux_layers_sglang=AUX)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(dcfg)
+    if hot_ids is None:  # an uneven subset, so d2t offsets are not all equal
+        hot_ids = torch.sort(torch.randperm(cfg.vocab_size)[:draft_vocab]).values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[hot_ids] = True
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        for name, param in drafter.named_parameters():
+            if param.dim() > 1 and name != "embed_tokens.weight":
+                param.normal_(0.0, 0.2)
+        drafter.set_vocab(hot_ids - torch.arange(draft_vocab), t2d)
+    return drafter.eval()
+
+
+CHAIN_IDS = [[7, 19, 33, 2, 150, 61, 8, 90, 12, 250, 44, 5, 71, 3]]
+
+
+def training_attention_reference(target, drafter, steps: int = 3):
+    """(ids, target aux features, Eagle3Drafter.draft_logits: the TTT forward a chain must reproduce)."""
+    ids = torch.tensor(CHAIN_IDS)
+    with torch.no_grad():
+        aux = aux_features(target(input_ids=ids, output_hidden_states=True).hidden_states, AUX)
+        return ids, aux, drafter.draft_logits(ids, aux, steps=steps)

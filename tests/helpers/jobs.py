@@ -1,0 +1,30 @@
+"""Real detached jobs started through the engine's JobManager, for tests of what shows them."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from engine.jobs import JobInfo, JobManager
+from engine.workspace import Workspace
+
+PAUSED_EXTRACTION = """
+import time
+from engine.jobctx import JobContext
+ctx = JobContext.from_env()
+ctx.event("started", samples=40)
+ctx.progress(10, 40, eta_s=30, tokens_per_s=100.0)
+ctx.event("paused", reason="output disk below reserve")
+time.sleep(60)
+"""
+
+
+def start_paused_job(ws: Workspace) -> tuple[JobManager, JobInfo]:
+    """A real extraction-kind job that reports progress 10/40 and then "paused"; waits for that event."""
+    jobs = JobManager(ws.jobs_dir)
+    job = jobs.start("extract", [sys.executable, "-c", PAUSED_EXTRACTION])
+    deadline = time.monotonic() + 20
+    events = job.dir / "events.jsonl"
+    while time.monotonic() < deadline and not (events.exists() and b"paused" in events.read_bytes()):
+        time.sleep(0.1)
+    return jobs, job
