@@ -12,13 +12,16 @@ import json
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine import atomic
 from engine.jobs import ACTIVE_STATES, JobInfo, JobManager
 from engine.server.local import build_spec
 from engine.server.spec import LaunchSpec
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from engine.client import ServerClient
 
 STATE_FILE = "server.json"
 INFO_REFRESH_S = 30.0  # the watcher re-reads /server_info this often (it is fixed per server process)
@@ -122,6 +125,11 @@ class ServerManager:
     def __init__(self, workspace, jobs: JobManager | None = None):
         self.workspace = workspace
         self.jobs = jobs or JobManager(workspace.jobs_dir)
+        # What poll() keeps between calls: the stopped status for unchanged files, the server's
+        # info for one job, the watcher's HTTP client for one url on one event loop.
+        self._idle_poll: tuple[tuple, ServerStatus] | None = None
+        self._held_info: tuple[tuple[str, int | None], float, dict[str, Any]] | None = None
+        self._held_client: tuple[tuple[str | None, asyncio.AbstractEventLoop], ServerClient] | None = None
 
     # -- the record of which job is the server
     @property
@@ -163,7 +171,7 @@ class ServerManager:
 
         return remembered_drift(self, info)
 
-    def client(self, url: str | None = None):
+    def client(self, url: str | None = None) -> ServerClient:
         from engine.client import ServerClient
 
         rec = self.record()
@@ -262,7 +270,7 @@ class ServerManager:
         A stopped or crashed server whose record and job files have not changed since the last
         poll is not read again (the console polls every second, mostly with no server)."""
         key = self._poll_files_key()
-        cached = getattr(self, "_idle_poll", None)
+        cached = self._idle_poll
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
         rec = self.record()
@@ -330,10 +338,10 @@ class ServerManager:
             return None  # not a plain folder name: never cached, let the full poll report it
         return (state, ident(self.jobs.jobs_dir / job_id / RECORD_FILE))
 
-    async def _server_info(self, client, job: JobInfo) -> dict[str, Any]:
+    async def _server_info(self, client: ServerClient, job: JobInfo) -> dict[str, Any]:
         """/server_info for the watcher: it names the model and launch flags, fixed for a server
         process, so it is fetched once per process and then every INFO_REFRESH_S, not every poll."""
-        held = getattr(self, "_held_info", None)
+        held = self._held_info
         now = time.monotonic()
         if held is not None and held[0] == (job.id, job.pid) and now - held[1] < INFO_REFRESH_S:
             return held[2]
@@ -346,10 +354,10 @@ class ServerManager:
         self._idle_poll = (key, status) if key is not None else None
         return status
 
-    async def _poll_client(self, url: str | None):
+    async def _poll_client(self, url: str | None) -> ServerClient:
         """The watcher's HTTP client, made again when the url changes or on another event loop."""
         loop = asyncio.get_running_loop()
-        held = getattr(self, "_held_client", None)
+        held = self._held_client
         if held is not None and held[0] == (url, loop):
             return held[1]
         await self.close_poll_client()
@@ -358,7 +366,7 @@ class ServerManager:
         return client
 
     async def close_poll_client(self) -> None:
-        held = getattr(self, "_held_client", None)
+        held = self._held_client
         self._held_client = None
         if held is not None and held[0][1] is asyncio.get_running_loop():
             try:
