@@ -417,7 +417,7 @@ class OnlineData(RecordData):
 
     def _ledger(self, step: int, sample_id: str) -> None:
         """One line per consumed record; appended without fsync: a kill of the process loses none."""
-        line = json.dumps({"step": step, "id": sample_id}) + "\n"
+        line = json.dumps({"step": step, "id": sample_id, "pid": os.getpid()}) + "\n"
         path = self.ws.drafter_dir / LEDGER
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -1,0 +1,251 @@
+"""Online training (train.mode = online | hybrid, engine/train/online.py): settings, the window's
+accounting, the checklist, and real runs against a real local target server.
+
+The kill test runs the trainer as a real process (`python -m engine.train`), samples the window
+directory while it runs (on a tmpfs barely larger than the window when the test runs as root, so an
+overflow would also fail the write), kills it with SIGKILL after a checkpoint, resumes it, and checks
+the stated guarantee from the consumption ledger: the samples trained twice are exactly those
+consumed after the checkpoint it resumed from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.checks.base import StageReport, StageState, failed, passed
+from engine.config import ConfigError, parse_config, set_value
+from engine.stagejobs import prerequisites, red_prerequisites, server_users
+from engine.train.window import Window, files_bytes, record_bytes
+from tests.helpers.workspaces import make_workspace, write_conversations
+
+META = {"spool_sessions.txt", "manifest.jsonl", "run.json"}  # the window's small bookkeeping files
+
+
+def window_bytes(root: Path) -> int:
+    """Bytes of captured records (and their temp files) under the window now."""
+    total = 0
+    for path in root.rglob("*"):
+        try:
+            if path.is_file() and path.name not in META:
+                total += path.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+# ---------------------------------------------------------------------------- settings and checklist
+
+def test_mode_and_window_are_declared_and_bad_values_name_key_and_fix():
+    cfg = parse_config('[train]\nmode = "online"\nwindow_gb = 0.005\n')
+    assert cfg.train.mode == "online" and cfg.train.window_gb == 0.005
+    assert parse_config("").train.mode == "offline"  # today's behaviour by default
+    for text, key, fix in (('mode = "stream"', "train.mode", "offline, online, hybrid"),
+                           ("window_gb = 0", "train.window_gb", "0.0001 to 1000000000"),
+                           ('window_gb = "5"', "train.window_gb", "number")):
+        with pytest.raises(ConfigError) as err:
+            parse_config(f"[train]\n{text}\n")
+        assert err.value.key == key and fix in str(err.value)
+
+
+def _report(stage: str, ok: bool) -> StageReport:
+    results = (passed("x", "ok") if ok else failed("x", "bad", "fix it"),)
+    return StageReport(stage, stage, StageState.PASSED if ok else StageState.FAILED, results)
+
+
+def test_prerequisites_follow_the_mode():
+    offline = parse_config("")
+    online = parse_config('[train]\nmode = "hybrid"\n')
+    assert "extract" in prerequisites("train", offline) and "server" not in prerequisites("train", offline)
+    assert set(prerequisites("train", online)) == {"model", "dataset", "server", "capture", "disk"}
+    reports = [_report(s, s in ("model", "dataset", "disk")) for s in
+               ("model", "dataset", "server", "capture", "disk", "extract")]
+    assert {r.stage for r in red_prerequisites("train", reports, online)} == {"server", "capture"}
+    assert {r.stage for r in red_prerequisites("train", reports, offline)} == {"extract"}
+    assert "train" in server_users(online) and "train" not in server_users(offline)
+
+
+def test_window_admits_within_budget_and_one_batch_beyond():
+    win = Window(1000)
+    assert win.reserve(600, slot=0, timeout=0) and win.reserve(400, slot=0, timeout=0)
+    assert not win.reserve(1, slot=1, timeout=0.05)  # full: the next batch's record waits
+    freed = threading.Timer(0.1, win.release, args=(600, 0))
+    freed.start()
+    assert win.reserve(500, slot=1, timeout=5)  # admitted once the trainer released a record
+    assert win.used == 900 and win.peak == 1000
+    win.release(400, 0)
+    assert win.reserve(2000, slot=1, timeout=0)  # only its own batch held: one batch may exceed the window
+    assert not win.reserve(10, slot=2, timeout=0)
+    win.keep(500, 1)  # kept for good: counted, no longer held by its batch
+    win.release(2000, 1)
+    assert win.used == 500 and win.kept == 500
+    assert record_bytes(10, 64) == 10 * (2 * 4 * 64 + 16) + 1024
+
+
+# ---------------------------------------------------------------------------- real runs
+
+TRAIN = {"train.draft_vocab_size": 128, "train.max_len": 64, "train.batch_size": 2, "train.ttt_steps": 3,
+         "train.log_every": 1, "train.save_every": 4, "train.eval_fraction": 0.15, "train.epochs": 3,
+         "train.learning_rate": 1e-2, "extract.concurrency": 2, "train.mode": "online", "train.window_gb": 0.0002}
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` at `path` when we may mount one (root), else a plain directory; yields whether mounted."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+class Sampler:
+    """Samples the window's bytes every few milliseconds on a thread; `peak` is the largest seen."""
+
+    def __init__(self, root: Path):
+        self.root, self.peak, self.samples = root, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.root.exists():
+                self.peak = max(self.peak, window_bytes(self.root))
+                self.samples += 1
+            time.sleep(0.005)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_job(ws, jobs, sink: list[dict], until=None, timeout: float = 300.0):
+    """Start the train stage's job (as the console does) and collect its events until it ends, or until
+    `until(events)` is true (then it is left running and returned)."""
+    from engine.stagejobs import STARTERS
+
+    job = STARTERS["train"](ws, jobs)
+    offset, deadline = 0, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events, offset = jobs.events(job.id, offset)
+        sink.extend(events)
+        info = jobs.get(job.id)
+        if until is not None and until(sink) and info.pid:
+            return info
+        if not info.active:
+            events, offset = jobs.events(job.id, offset)
+            sink.extend(events)
+            return info
+        time.sleep(0.01)
+    raise AssertionError(f"training job {job.id} still running after {timeout:.0f}s: {jobs.tail(job.id, 20)}")
+
+
+@pytest.fixture
+def online_ws(tiny_chat_model_dir, tmp_path):
+    """A workspace in online mode whose window lives on a small disk, with a real local server running."""
+    from engine.server.manager import ServerManager
+
+    disk = tmp_path / "disk"
+    with small_disk(disk, "256k") as mounted:
+        ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir, **{**TRAIN, "dataset.path": "train.jsonl",
+                                                                     "extract.output_dir": str(disk)})
+        write_conversations(ws.root / "train.jsonl", 20)
+        manager = ServerManager(ws)
+        asyncio.run(manager.start())
+        try:
+            yield ws, mounted
+        finally:
+            asyncio.run(manager.stop(grace=5))
+
+
+def test_online_training_killed_resumes_and_retrains_only_what_followed_the_checkpoint(online_ws):
+    from engine.checks.context import CheckContext
+    from engine.checks.disk import check_disk
+    from engine.checks.train import check_train
+    from engine.jobs import JobManager
+    from engine.pipeline import get_stage
+    from engine.train.online import LEDGER
+    from engine.train.window import window_budget, window_dir
+
+    ws, mounted = online_ws
+    budget = window_budget(ws.config)
+    root = window_dir(ws)
+    jobs = JobManager(ws.jobs_dir)
+
+    def past_a_checkpoint(events: list[dict]) -> bool:
+        saved = [e["step"] for e in events if e.get("type") == "checkpoint"]
+        done = [e["done"] for e in events if e.get("type") == "progress"]
+        return bool(saved and done and done[-1] >= saved[-1] + 2)
+
+    first: list[dict] = []
+    with Sampler(root) as sampler:
+        info = run_job(ws, jobs, first, until=past_a_checkpoint)
+        assert info.active, f"the run ended before a checkpoint and two more steps: {first[-5:]}"
+        killed_after = [e["done"] for e in first if e.get("type") == "progress"][-1]
+        os.kill(info.pid, signal.SIGKILL)  # the trainer itself, at once
+        while jobs.get(info.id).active:
+            time.sleep(0.05)
+        started = next(e for e in first if e.get("type") == "started")
+        assert started["mode"] == "online" and started["window_budget"] == budget
+        assert started["offline_bytes"] > budget  # the point: the run does not fit the window
+        live = [e for e in first if e.get("type") == "progress"][-1]
+        assert live["window_budget"] == budget and 0 <= live["window_bytes"] <= budget
+        assert live["capture_tokens_per_s"] >= 0 and live["train_tokens_per_s"] >= 0 and live["epoch"] >= 1
+
+        second: list[dict] = []
+        info = run_job(ws, jobs, second)
+        assert info.state == "succeeded", jobs.tail(info.id, 30)
+    resumed = next(e for e in second if e.get("type") == "resumed")
+    c = resumed["step"]
+    total = resumed_total = next(e for e in second if e.get("type") == "started")["total_steps"]
+    steps_per_epoch = total // ws.config.train.epochs
+    assert (resumed["epoch"], resumed["next_index"]) == (c // steps_per_epoch, (c % steps_per_epoch) * 2)
+
+    lines = [json.loads(line) for line in (ws.drafter_dir / LEDGER).read_text().splitlines()]
+    pids = list(dict.fromkeys(line["pid"] for line in lines))
+    assert len(pids) == 2
+    before = [(l["step"], l["id"]) for l in lines if l["pid"] == pids[0]]
+    after = [(l["step"], l["id"]) for l in lines if l["pid"] == pids[1]]
+    twice = set(before) & set(after)
+    # The guarantee: exactly what the killed run consumed at or after the checkpoint's step is trained again.
+    assert twice == {pair for pair in before if pair[0] >= c}
+    assert twice and all(step >= c for step, _ in twice)
+    assert {step for step, _ in after} == set(range(c, resumed_total))  # every later step, once
+    assert {step for step, _ in before} >= set(range(c))  # every earlier step was consumed before the kill
+    assert len(after) == len(set(after))
+    print(f"killed after step {killed_after}, resumed from {c}: {len(twice)} samples trained twice "
+          f"(steps {min(s for s, _ in twice)}-{max(s for s, _ in twice)}), window peak {sampler.peak:,} of "
+          f"{budget:,} bytes over {sampler.samples} samples{' on a 256k tmpfs' if mounted else ''}")
+
+    assert sampler.samples > 50 and 0 < sampler.peak <= budget
+    assert not (root / "stream").exists() or window_bytes(root / "stream") == 0  # emptied at the end
+    ends = [e for e in second if e.get("type") == "window" and "window_peak" in e]
+    assert ends and ends[-1]["window_peak"] <= budget and ends[-1]["captured"] > 0
+    assert (ws.drafter_dir / "export" / "config.json").is_file()
+
+    ctx = CheckContext(ws)
+    train = check_train(ctx)
+    assert train[0].status.value == "pass" and "trained online" in train[0].evidence, train[0].evidence
+    disk = {r.name: r for r in check_disk(ctx)}
+    assert disk["budget"].status.value == "pass" and "never exceed the window" in disk["budget"].evidence
+    extract = get_stage("extract").checks(ctx)
+    assert extract[0].status.value == "pass" and extract[0].evidence.startswith("not needed")
+    ws.save_config(set_value(ws.config, "train.mode", "offline"))
+    ws.reload()
+    assert get_stage("extract").checks(CheckContext(ws))[0].status.value == "fail"
