@@ -12,6 +12,7 @@ to what the disk can take.
     python bench/extraction.py --size 1b             # GPU: ~1B random Llama in bf16, synthetic data
     python bench/extraction.py --size tiny           # the same synthetic path on CPU (smoke test)
     python bench/extraction.py --size 1b --steps     # and where the job's time goes, step by step
+    python bench/extraction.py --size e2e --samples 800   # the end-to-end target's shape (80M, 5 KiB/token)
 """
 
 from __future__ import annotations
@@ -178,8 +179,9 @@ def run(args) -> int:  # noqa: C901 - a linear script
     from engine.workspace import Workspace
 
     gpu = torch.cuda.is_available()
-    if args.size == "1b" and not gpu:
-        print("extraction bench: --size 1b needs a GPU; use --size tiny for the same path on CPU", file=sys.stderr)
+    if args.size in ("1b", "e2e") and not gpu:
+        print(f"extraction bench: --size {args.size} needs a GPU; use --size tiny for the same path on CPU",
+              file=sys.stderr)
         return 2
     if args.out_dir:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)  # the disk under test: create the folder asked for
@@ -215,6 +217,8 @@ def run(args) -> int:  # noqa: C901 - a linear script
         wall = time.perf_counter()
         code = asyncio.run(Extractor(ws, ctx).run())
         wall = time.perf_counter() - wall
+        # Taken now: the disk measurements below fsync too, and the timers count every fsync.
+        steps = step_timer.snapshot() if args.steps else None
         finished, begun = ctx.first("finished"), ctx.first("started")
         if code != 0 or finished is None:
             print(f"extraction bench: the extraction job ended with code {code}: "
@@ -244,11 +248,12 @@ def run(args) -> int:  # noqa: C901 - a linear script
                    "samples": samples, "tokens": tokens, "bytes": total, "bad": finished.get("bad", 0),
                    "seconds": round(seconds, 2), "wall_with_planning_s": round(wall, 2),
                    "extraction_tok_s": round(tokens / seconds, 1), "extraction_mb_s": round(ext_mb_s, 2),
-                   "avg_record_bytes": total // samples, "atomic_files_mb_s": round(atomic_mb_s, 1),
+                   "avg_record_bytes": total // samples, "bytes_per_token": round(total / tokens, 1),
+                   "atomic_files_mb_s": round(atomic_mb_s, 1),
                    "plain_sequential_mb_s": round(plain_mb_s, 1), "ratio_extraction_plain": round(ext_mb_s / plain_mb_s, 4),
                    "ratio_atomic_plain": round(atomic_mb_s / plain_mb_s, 4)}
         if args.steps:
-            summary["steps"] = step_timer.report(samples, seconds)
+            summary["steps"] = step_timer.report(samples, seconds, steps)
         print(json.dumps(summary, indent=2))
         print(f"extraction write ratio (extraction/plain): {ext_mb_s / plain_mb_s:.4f}  [{ext_mb_s:,.1f} vs "
               f"{plain_mb_s:,.1f} MB/s; atomic small files {atomic_mb_s:,.1f} MB/s; {tokens / seconds:,.0f} tok/s, {device}]")
@@ -265,17 +270,17 @@ def run(args) -> int:  # noqa: C901 - a linear script
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=("demo", "tiny", "1b"), default="demo")
+    parser.add_argument("--size", choices=("demo", "tiny", "1b", "e2e"), default="demo")
     parser.add_argument("--workspace", default=None, help="use this workspace instead of building the demo")
-    parser.add_argument("--samples", type=int, default=None, help="synthetic conversations (tiny/1b)")
-    parser.add_argument("--response-words", type=int, default=None, help="longest answer, in words (tiny/1b)")
+    parser.add_argument("--samples", type=int, default=None, help="synthetic conversations (tiny/1b/e2e)")
+    parser.add_argument("--response-words", type=int, default=None, help="longest answer, in words (tiny/1b/e2e)")
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--concurrency", type=int, default=None, help="extract.concurrency (requests in flight)")
     parser.add_argument("--out-dir", default=None, help="where the temp workspace (the disk under test) goes")
     parser.add_argument("--steps", action="store_true",
                         help="time each step of the job's per-record path (bench/step_timer.py)")
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
-                        help="parent of the capture spool (tiny/1b)")
+                        help="parent of the capture spool (tiny/1b/e2e)")
     args = parser.parse_args()
     if args.workspace:
         from engine.workspace import Workspace
@@ -283,7 +288,7 @@ def main() -> int:
         if not Workspace(args.workspace).exists():
             parser.error(f"--workspace {args.workspace} is not a workspace (no config file there): "
                          "run `eagle3-console init DIR` first, or leave --workspace out to build the demo")
-    big = args.size == "1b"
+    big = args.size in ("1b", "e2e")
     args.samples = args.samples or (400 if big else 64)
     args.response_words = args.response_words or (400 if big else 60)
     return run(args)

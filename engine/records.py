@@ -21,13 +21,18 @@ Layout of a run directory:
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from engine import atomic
+from engine.capture import stfile
+from engine.capture.stfile import tensor_bytes, write_all
 from engine.names import check_name
 from engine.errors import EngineError
 
@@ -99,39 +104,145 @@ def record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state) -> dict
 
 
 RECORD_METADATA = {"format": "eagle3-console", "version": str(FORMAT_VERSION)}
+CHUNK = 4 << 20  # bytes checked, hashed and written at a time: a chunk stays in the CPU cache for all three
+# A record's tensors in file order: name, safetensors dtype, bytes per element, width in hidden sizes (0: [T]).
+_LAYOUT = (("input_ids", "I64", 8, 0), ("loss_mask", "I64", 8, 0), ("aux_hidden_state", "BF16", 2, 3),
+           ("hidden_state", "BF16", 2, 1))
+
+# Where a record's bytes come from: a bytes-like object, or (fd, offset, length) of an open file.
+Source = Any
+
+
+def record_header(tokens: int, hidden_size: int) -> bytes:
+    """The safetensors header of a record of `tokens` tokens, built by hand so that the states can
+    be streamed into the file without building tensors first."""
+    entries = []
+    for name, dtype, size, width in _LAYOUT:
+        shape = [tokens, width * hidden_size] if width else [tokens]
+        entries.append((name, dtype, shape, tokens * (width * hidden_size if width else 1) * size))
+    return stfile.header(entries, RECORD_METADATA)
+
+
+def record_size(tokens: int, hidden_size: int) -> int:
+    """Bytes of a record file: header and the four tensors."""
+    return len(record_header(tokens, hidden_size)) + tokens * (16 + 8 * hidden_size)
+
+
+def _chunks(source: Source, scratch: bytearray) -> Iterator[memoryview]:
+    """The source's bytes, CHUNK at a time (every chunk but the last exactly CHUNK long, so a chunk
+    never splits a value): slices of a buffer, or reads of a file range into `scratch`."""
+    if isinstance(source, tuple):
+        fd, offset, length = source
+        view = memoryview(scratch)
+        end = offset + length
+        while offset < end:
+            want = min(CHUNK, end - offset)
+            got = 0
+            while got < want:
+                n = os.preadv(fd, [view[got:want]], offset + got)
+                if n <= 0:
+                    raise RecordError(f"source file ended {end - offset - got} bytes early (truncated while read?)")
+                got += n
+            offset += want
+            yield view[:want]
+        return
+    data = memoryview(source).cast("B")
+    for start in range(0, len(data), CHUNK):
+        yield data[start:start + CHUNK]
+
+
+_local = threading.local()
+
+
+def _scratch() -> bytearray:
+    """This thread's read buffer, kept between records (a fresh one would be zero-filled each time)."""
+    buffer = getattr(_local, "scratch", None)
+    if buffer is None or len(buffer) != CHUNK:
+        buffer = _local.scratch = bytearray(CHUNK)
+    return buffer
+
+
+def _source_len(source: Source) -> int:
+    return source[2] if isinstance(source, tuple) else memoryview(source).nbytes
+
+
+def _bf16_finite(chunk: memoryview) -> bool:
+    """No NaN or inf among these bf16 values: none has all eight exponent bits set (one pass over
+    bytes already in the cache, outside the GIL, no float conversion)."""
+    import torch
+
+    if len(chunk) < 2:
+        return True
+    bits = torch.frombuffer(chunk, dtype=torch.int16)
+    return int(torch.bitwise_and(bits, 0x7F80).max()) != 0x7F80
+
+
+def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: bytes | memoryview,
+                        loss_mask: bytes | memoryview,
+                        aux_sources: list[Source], hidden_sources: list[Source], hidden_size: int,
+                        sync_dir: bool = True) -> RecordEntry:
+    """Write a record from its parts and return its manifest entry (not yet appended).
+
+    `input_ids` and `loss_mask` are little-endian int64 bytes; the states' sources hold bf16 rows,
+    concatenated in order (the segments of a chunked prefill). Each chunk is checked for NaN/inf,
+    hashed and written while it is in the cache: no tensors are built, nothing is read back. The
+    file is fsynced and renamed into place; its directory is fsynced too unless `sync_dir` is False
+    (a caller that commits several records under one directory fsync: `append_manifest_entries`).
+    RecordError on a non-finite value or a size that does not match the header (nothing is left behind)."""
+    tokens = len(input_ids) // 8
+    if len(input_ids) != 8 * tokens or len(loss_mask) != len(input_ids):
+        raise RecordError(f"input_ids ({len(input_ids)} bytes) and loss_mask ({len(loss_mask)} bytes) must be "
+                          "int64 [T] each")
+    for name, sources, width in (("aux_hidden_state", aux_sources, 3), ("hidden_state", hidden_sources, 1)):
+        got = sum(_source_len(s) for s in sources)
+        if got != tokens * width * hidden_size * 2:
+            raise RecordError(f"{name}: {got} bytes, a bf16 [{tokens}, {width * hidden_size}] needs "
+                              f"{tokens * width * hidden_size * 2}")
+    rel = record_relpath(index, sample_id)
+    path = Path(run_dir) / rel
+    header = record_header(tokens, hidden_size)
+    digest = hashlib.sha256(header)
+    scratch = _scratch() if any(isinstance(s, tuple) for s in [*aux_sources, *hidden_sources]) else bytearray()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        size = write_all(fd, header)
+        for data in (input_ids, loss_mask):
+            digest.update(data)
+            size += write_all(fd, data)
+        for source in [*aux_sources, *hidden_sources]:
+            for chunk in _chunks(source, scratch):
+                if not _bf16_finite(chunk):
+                    raise RecordError("non-finite values in the captured states")
+                digest.update(chunk)
+                size += write_all(fd, chunk)
+        os.fsync(fd)
+        os.fchmod(fd, 0o644)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    if sync_dir:
+        atomic.fsync_dir(path.parent)
+    trainable = sum(memoryview(loss_mask).cast("q")) if tokens else 0
+    return RecordEntry(sample_id, index, rel, tokens, int(trainable), size, digest.hexdigest())
 
 
 def write_record(run_dir: Path, index: int, sample_id: str, input_ids, loss_mask, aux_hidden_state,
                  hidden_state) -> RecordEntry:
     """Write the record atomically and return its manifest entry (not yet appended)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    rel = record_relpath(index, sample_id)
     tensors = record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state)
-    path = Path(run_dir) / rel
-    digest = {}
-
-    def write(tmp: str) -> None:
-        try:
-            save_file(tensors, tmp, metadata=RECORD_METADATA)
-        except SafetensorError as exc:  # its I/O failures (a full disk) must stay OSErrors for the callers
-            raise _os_error(exc, tmp) from None
-        digest["sha256"], digest["bytes"] = _sha256_file(tmp)  # hash what is on disk, before the rename
-
-    atomic.write_via_path(path, write)
-    return RecordEntry(sample_id, index, rel, int(input_ids.shape[0]), int(loss_mask.sum()), digest["bytes"],
-                       digest["sha256"])
-
-
-def _os_error(exc: Exception, path: str) -> OSError:
-    """safetensors' 'I/O error: ... (os error N)' as the OSError it stands for (errno N, else EIO)."""
-    import errno
-    import re
-
-    found = re.search(r"os error (\d+)", str(exc))
-    code = int(found.group(1)) if found else errno.EIO
-    return OSError(code, os.strerror(code), path)
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    return write_record_stream(run_dir, index, sample_id, tensor_bytes(tensors["input_ids"]),
+                               tensor_bytes(tensors["loss_mask"]), [tensor_bytes(tensors["aux_hidden_state"])],
+                               [tensor_bytes(tensors["hidden_state"])], int(tensors["hidden_state"].shape[1]))
 
 
 def _sha256_file(path: str) -> tuple[str, int]:
@@ -146,6 +257,33 @@ def _sha256_file(path: str) -> tuple[str, int]:
 
 def append_manifest(run_dir: Path, entry: RecordEntry) -> None:
     atomic.append_line(Path(run_dir) / MANIFEST, entry.to_json())
+
+
+def append_manifest_entries(run_dir: Path, entries: list[RecordEntry]) -> None:
+    """Commit several records at once (group commit): one fsync per records directory (their
+    renames), then their manifest lines in one write and one fsync. Each record's data must
+    already be durable (`write_record_stream` fsyncs it). A failed append (a full disk) leaves
+    the manifest as it was: none of these lines, no fragment."""
+    if not entries:
+        return
+    for directory in sorted({(Path(run_dir) / e.path).parent for e in entries}):
+        atomic.fsync_dir(directory)
+    data = memoryview("".join(e.to_json() + "\n" for e in entries).encode("utf-8"))
+    fd = os.open(Path(run_dir) / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        except BaseException:
+            try:  # a partial append would glue onto the next one and spoil a line mid-file
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_manifest(run_dir: Path) -> tuple[dict[str, RecordEntry], list[str]]:
@@ -178,8 +316,17 @@ def read_manifest(run_dir: Path) -> tuple[dict[str, RecordEntry], list[str]]:
 
 
 def verify_record(run_dir: Path, entry: RecordEntry, hidden_size: int | None = None, deep: bool = True) -> str | None:
-    """None if the record is intact, else the reason. `deep` re-hashes the bytes."""
+    """None if the record is intact, else the reason. `deep` re-hashes the bytes; without it and
+    without `hidden_size` only the file's size is compared (no read)."""
     path = Path(run_dir) / entry.path
+    if not deep and hidden_size is None:
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return f"{entry.path}: missing"
+        except OSError as exc:
+            return f"{entry.path}: unreadable ({exc.strerror})"
+        return None if size == entry.bytes else f"{entry.path}: {size} bytes, manifest says {entry.bytes} (truncated?)"
     try:
         data = path.read_bytes()
     except FileNotFoundError:

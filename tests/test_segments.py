@@ -270,7 +270,7 @@ def test_failed_segment_write_leaves_neither_segment_nor_temp(tmp_path, monkeypa
             handle.write(b"\x00" * 100)  # what a writer killed mid-file leaves
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(segments, "save_file", half_write)
+    monkeypatch.setattr(segments, "_save", half_write)
     with pytest.raises(OSError, match="No space left"):
         write_segment(tmp_path, "full", 0, *make_states(4), LAYERS)
     assert list_segments(tmp_path, "full") == []

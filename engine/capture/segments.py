@@ -21,23 +21,27 @@ segments from the failed attempt cannot overlap the new ones.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
 from engine.atomic import publish_via_path
+from engine.capture import stfile
 from engine.names import check_name
 from engine.errors import EngineError
 
 FORMAT_NAME = "eagle3-console/capture-segment"
 FORMAT_VERSION = "1"
 _SEGMENT_FILE = re.compile(r"^(\d{10})\.safetensors$")
+# safetensors dtype names of what a segment may hold, and their torch types.
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 class SegmentError(EngineError, ValueError):
@@ -100,6 +104,8 @@ def write_segment(
         )
     if not (aux.dtype.is_floating_point and final.dtype.is_floating_point) or aux.dtype != final.dtype:
         raise SegmentError(f"hidden states must share one float dtype, got {aux.dtype} and {final.dtype}")
+    if final.dtype not in _DTYPE_NAMES:
+        raise SegmentError(f"hidden states in {final.dtype} cannot be spooled: use bf16, fp16 or fp32")
     tensors = {
         "input_ids": ids.detach().to(device="cpu", dtype=torch.int64).contiguous(),
         "aux_hidden_state": aux.detach().cpu().contiguous(),
@@ -124,8 +130,23 @@ def write_segment(
         pass
     except FileNotFoundError:  # the spool itself is gone: recreate it
         os.makedirs(path.parent, exist_ok=True)
-    publish_via_path(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    publish_via_path(path, lambda tmp: _save(tensors, tmp, metadata))
     return path
+
+
+def _save(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str]) -> None:
+    """A safetensors file streamed from the tensors' memory: `save_file` first copies them into
+    one bytes object while holding the GIL, which the server's other threads wait for."""
+    entries = [(name, _DTYPE_NAMES[t.dtype], tuple(t.shape), t.numel() * t.element_size())
+               for name, t in tensors.items()]
+    fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        stfile.write_all(fd, stfile.header(entries, metadata))
+        for tensor in tensors.values():
+            if tensor.numel():
+                stfile.write_all(fd, stfile.tensor_bytes(tensor))
+    finally:
+        os.close(fd)
 
 
 def _rid_dir(spool_dir: str | os.PathLike, rid: str) -> Path:
@@ -154,12 +175,107 @@ def list_segments(spool_dir: str | os.PathLike, rid: str) -> list[SegmentInfo]:
     return sorted(found, key=lambda info: info.start)
 
 
-def _read_segment(info: SegmentInfo, rid: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+_TENSORS = ("input_ids", "aux_hidden_state", "hidden_state")
+_MAX_HEADER = 1 << 20  # a segment's header is a few hundred bytes; more is a damaged length field
+
+
+@dataclass(frozen=True)
+class Block:
+    """Where one tensor of a segment lies in its file: byte offset and length, dtype, shape."""
+
+    offset: int
+    nbytes: int
+    dtype: str  # safetensors name: "BF16", "I64", ...
+    shape: tuple[int, ...]
+
+
+@dataclass
+class SpooledSegment:
+    start: int
+    fd: int
+    blocks: dict[str, Block]
+
+    def source(self, name: str) -> tuple[int, int, int]:
+        """(fd, offset, length) of one tensor's bytes."""
+        block = self.blocks[name]
+        return self.fd, block.offset, block.nbytes
+
+
+@dataclass
+class SpooledCapture:
+    """A rid's segments, checked against each other and the request, left open on disk: nothing
+    is read but their headers and ids, so a record can be written from them without building
+    tensors (`engine.records.write_record_stream`). Close it (or use it as a context manager)."""
+
+    rid: str
+    layers: list[int]
+    hidden_size: int
+    dtype: str  # of the states, safetensors name
+    input_ids: bytes  # int64, little-endian, positions 0 .. T-1
+    segments: list[SpooledSegment]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids) // 8
+
+    def sources(self, name: str) -> list[tuple[int, int, int]]:
+        return [segment.source(name) for segment in self.segments]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor of the whole capture, read into memory (segments concatenated)."""
+        parts = []
+        for segment in self.segments:
+            block = segment.blocks[name]
+            data = bytearray(block.nbytes)
+            if block.nbytes and os.preadv(segment.fd, [data], block.offset) != block.nbytes:
+                raise SegmentError(f"capture segment of {self.rid!r} at {segment.start} shrank while being read")
+            parts.append(torch.frombuffer(data, dtype=_DTYPES[block.dtype]).reshape(block.shape) if block.nbytes
+                         else torch.empty(block.shape, dtype=_DTYPES[block.dtype]))
+        return torch.cat(parts)
+
+    def close(self) -> None:
+        for segment in self.segments:
+            if segment.fd >= 0:
+                os.close(segment.fd)
+                segment.fd = -1
+
+    def __enter__(self) -> SpooledCapture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _segment_blocks(fd: int, info: SegmentInfo, rid: str) -> tuple[dict[str, Block], dict[str, str]]:
+    """Parse and check one segment's safetensors header (the format: u64 length, JSON, data)."""
     try:
-        with safe_open(str(info.path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-        tensors = load_file(str(info.path))
-    except Exception as exc:  # corrupt or truncated file
+        head = os.pread(fd, 8, 0)
+        if len(head) != 8:
+            raise ValueError("shorter than a header")
+        (length,) = struct.unpack("<Q", head)
+        if length > _MAX_HEADER:
+            raise ValueError(f"header length {length}")
+        raw = os.pread(fd, length, 8)
+        if len(raw) != length:
+            raise ValueError("header cut short")
+        header = json.loads(raw)
+        metadata = header.pop("__metadata__", None) or {}
+        size = os.fstat(fd).st_size
+        blocks: dict[str, Block] = {}
+        end = 0
+        for name, spec in header.items():
+            dtype, shape = spec["dtype"], tuple(int(x) for x in spec["shape"])
+            begin, stop = (int(x) for x in spec["data_offsets"])
+            count = 1
+            for dim in shape:
+                count *= dim
+            if dtype not in _DTYPES or stop - begin != count * _DTYPES[dtype].itemsize or begin < 0:
+                raise ValueError(f"tensor {name}: {dtype} {list(shape)} at {begin}..{stop}")
+            blocks[name] = Block(8 + length + begin, stop - begin, dtype, shape)
+            end = max(end, stop)
+        if size != 8 + length + end:
+            raise ValueError(f"{size} bytes, the header describes {8 + length + end} (truncated?)")
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:  # torn or damaged file
         raise SegmentError(f"cannot read capture segment {info.path}: {exc}") from None
     if metadata.get("format") != FORMAT_NAME or metadata.get("version") != FORMAT_VERSION:
         raise SegmentError(
@@ -171,10 +287,91 @@ def _read_segment(info: SegmentInfo, rid: str) -> tuple[dict[str, torch.Tensor],
             f"{info.path} claims rid={metadata.get('rid')!r} start={metadata.get('start')!r}; "
             "the file name says otherwise"
         )
-    missing = {"input_ids", "aux_hidden_state", "hidden_state"} - tensors.keys()
+    missing = set(_TENSORS) - blocks.keys()
     if missing:
         raise SegmentError(f"{info.path} lacks tensors {sorted(missing)}")
-    return tensors, metadata
+    return blocks, metadata
+
+
+def open_capture(
+    spool_dir: str | os.PathLike,
+    rid: str,
+    expected_len: int | None = None,
+    expected_input_ids: Sequence[int] | None = None,
+) -> SpooledCapture:
+    """Open the segments of `rid` as one capture covering positions 0 .. T-1, checked as `assemble`
+    checks them, without reading the states."""
+    segments = list_segments(spool_dir, rid)
+    if not segments:
+        raise SegmentError(f"no capture segments for request {rid!r} in {spool_dir}")
+    capture = SpooledCapture(rid, [], 0, "", b"", [])
+    ids_parts: list[bytes] = []
+    first_meta: dict[str, str] | None = None
+    position = 0
+    try:
+        for info in segments:
+            try:
+                fd = os.open(info.path, os.O_RDONLY)
+            except OSError as exc:
+                raise SegmentError(f"cannot read capture segment {info.path}: {exc.strerror}") from None
+            segment = SpooledSegment(info.start, fd, {})
+            capture.segments.append(segment)
+            segment.blocks, metadata = _segment_blocks(fd, info, rid)
+            ids, aux, final = (segment.blocks[name] for name in _TENSORS)
+            n = ids.shape[0] if len(ids.shape) == 1 and ids.dtype == "I64" else -1
+            if info.start > position:
+                raise SegmentError(
+                    f"gap in capture of {rid!r}: positions {position}..{info.start - 1} are missing "
+                    f"(next segment {info.path.name} starts at {info.start})"
+                )
+            if info.start < position:
+                raise SegmentError(
+                    f"overlap in capture of {rid!r}: segment {info.path.name} starts at {info.start} but "
+                    f"positions up to {position - 1} are already covered (stale segments? release the rid before "
+                    "retrying)"
+                )
+            if first_meta is None:
+                first_meta = metadata
+            else:
+                for key in ("layers", "hidden_size", "dtype"):
+                    if metadata.get(key) != first_meta.get(key):
+                        raise SegmentError(
+                            f"segment {info.path.name} of {rid!r} has {key}={metadata.get(key)!r}, "
+                            f"earlier segments have {first_meta.get(key)!r}"
+                        )
+            if n < 0 or len(aux.shape) != 2 or len(final.shape) != 2 or aux.shape[0] != n or final.shape[0] != n:
+                raise SegmentError(
+                    f"segment {info.path.name} of {rid!r}: input_ids {list(ids.shape)} ({ids.dtype}), aux "
+                    f"{list(aux.shape)} and hidden_state {list(final.shape)} do not have one row per token"
+                )
+            earlier = capture.segments[0].blocks
+            if aux.dtype != final.dtype or aux.dtype != earlier["aux_hidden_state"].dtype or \
+                    aux.shape[1] != earlier["aux_hidden_state"].shape[1] or \
+                    final.shape[1] != earlier["hidden_state"].shape[1]:
+                raise SegmentError(f"segment {info.path.name} of {rid!r} has a different hidden width or dtype")
+            data = os.pread(fd, ids.nbytes, ids.offset)
+            if len(data) != ids.nbytes:
+                raise SegmentError(f"cannot read capture segment {info.path}: input_ids cut short")
+            ids_parts.append(data)
+            position = info.start + n
+        if expected_len is not None and position != expected_len:
+            raise SegmentError(
+                f"capture of {rid!r} covers {position} tokens, expected {expected_len} "
+                "(a truncated prefill, or a prefix served from cache?)"
+            )
+        capture.input_ids = b"".join(ids_parts)
+        if expected_input_ids is not None:
+            expected = struct.pack(f"<{len(expected_input_ids)}q", *expected_input_ids)
+            if expected != capture.input_ids:
+                raise SegmentError(f"captured token ids of {rid!r} differ from the ids that were sent")
+        assert first_meta is not None
+        capture.layers = [int(x) for x in first_meta["layers"].split(",")] if first_meta.get("layers") else []
+        capture.hidden_size = capture.segments[0].blocks["hidden_state"].shape[1]
+        capture.dtype = capture.segments[0].blocks["hidden_state"].dtype
+        return capture
+    except BaseException:
+        capture.close()
+        raise
 
 
 def assemble(
@@ -188,64 +385,13 @@ def assemble(
     Raises SegmentError on: no segments, a gap, an overlap, mismatched layers/shape/dtype,
     a total length other than `expected_len`, or token ids other than `expected_input_ids`.
     """
-    segments = list_segments(spool_dir, rid)
-    if not segments:
-        raise SegmentError(f"no capture segments for request {rid!r} in {spool_dir}")
-    ids_parts: list[torch.Tensor] = []
-    aux_parts: list[torch.Tensor] = []
-    final_parts: list[torch.Tensor] = []
-    first_meta: dict[str, str] | None = None
-    position = 0
-    for info in segments:
-        tensors, metadata = _read_segment(info, rid)
-        n = int(tensors["input_ids"].shape[0])
-        if info.start > position:
-            raise SegmentError(
-                f"gap in capture of {rid!r}: positions {position}..{info.start - 1} are missing "
-                f"(next segment {info.path.name} starts at {info.start})"
-            )
-        if info.start < position:
-            raise SegmentError(
-                f"overlap in capture of {rid!r}: segment {info.path.name} starts at {info.start} but "
-                f"positions up to {position - 1} are already covered (stale segments? release the rid before retrying)"
-            )
-        if first_meta is None:
-            first_meta = metadata
-        else:
-            for key in ("layers", "hidden_size", "dtype"):
-                if metadata.get(key) != first_meta.get(key):
-                    raise SegmentError(
-                        f"segment {info.path.name} of {rid!r} has {key}={metadata.get(key)!r}, "
-                        f"earlier segments have {first_meta.get(key)!r}"
-                    )
-        aux, final = tensors["aux_hidden_state"], tensors["hidden_state"]
-        if aux.shape[0] != n or final.shape[0] != n:
-            raise SegmentError(
-                f"segment {info.path.name} of {rid!r}: {n} input_ids but aux has {aux.shape[0]} rows "
-                f"and hidden_state {final.shape[0]}"
-            )
-        if aux_parts and (aux.shape[1] != aux_parts[0].shape[1] or final.shape[1] != final_parts[0].shape[1]):
-            raise SegmentError(f"segment {info.path.name} of {rid!r} has a different hidden width")
-        ids_parts.append(tensors["input_ids"])
-        aux_parts.append(aux)
-        final_parts.append(final)
-        position = info.start + n
-    if expected_len is not None and position != expected_len:
-        raise SegmentError(
-            f"capture of {rid!r} covers {position} tokens, expected {expected_len} "
-            "(a truncated prefill, or a prefix served from cache?)"
+    with open_capture(spool_dir, rid, expected_len, expected_input_ids) as capture:
+        return AssembledCapture(
+            input_ids=torch.frombuffer(bytearray(capture.input_ids), dtype=torch.int64),
+            aux_hidden_state=capture.tensor("aux_hidden_state"),
+            hidden_state=capture.tensor("hidden_state"),
+            layers=capture.layers,
         )
-    capture = AssembledCapture(
-        input_ids=torch.cat(ids_parts),
-        aux_hidden_state=torch.cat(aux_parts),
-        hidden_state=torch.cat(final_parts),
-        layers=[int(x) for x in first_meta["layers"].split(",")] if first_meta else [],
-    )
-    if expected_input_ids is not None:
-        expected = torch.as_tensor(list(expected_input_ids), dtype=torch.int64)
-        if expected.shape != capture.input_ids.shape or not torch.equal(expected, capture.input_ids):
-            raise SegmentError(f"captured token ids of {rid!r} differ from the ids that were sent")
-    return capture
 
 
 def release(spool_dir: str | os.PathLike, rid: str) -> int:

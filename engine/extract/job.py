@@ -1,10 +1,12 @@
 """The extraction job (runs detached): `python -m engine.extract --workspace DIR`.
 
-For every planned sample: send it to a server with capture on (prefill only), stitch its
-spool segments, verify (tokens captured = sent, cached = 0, shapes, finite), write the
-record atomically, append the manifest line, release the spool. Several requests are in
-flight, spread over one or more endpoints. A server outage waits (and restarts the server
-the engine owns); a full disk pauses; SIGTERM stops after the requests in flight.
+For every planned sample: send it to a server with capture on (prefill only), check its spool
+segments against the request (tokens captured = sent, cached = 0, shapes), stream them into the
+record file (finite check, hash and write chunk by chunk: no tensors, no read-back), fsync and
+rename it, release the spool, then commit its manifest line together with the other records
+finished meanwhile (`commit.GroupCommit`). Several requests are in flight, spread over one or
+more endpoints. A server outage waits (and restarts the server the engine owns); a full disk
+pauses; SIGTERM stops after the requests in flight.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import re
 import secrets
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,16 +25,17 @@ from pathlib import Path
 
 from engine import atomic
 from engine.disk import bytes_per_token, usage_for
+from engine.capture.stfile import tensor_bytes
+from engine.extract.commit import GroupCommit
 from engine.extract.guard import ExtractionRefused, low_space, require_fit
 from engine.extract.plan import Plan, PlannedSample, build_plan
 from engine.extract.verify import check_run, rewrite_manifest, write_bad
 from engine.records import (
+    RecordEntry,
     RecordError,
-    all_finite,
-    append_manifest,
     read_run_meta,
     save_token_counts,
-    write_record,
+    write_record_stream,
     write_run_meta,
 )
 from engine.errors import EngineError
@@ -109,8 +113,21 @@ class Extractor:
         self.bad: dict[str, str] = {}
         self._restart_lock = asyncio.Lock()
         self.failure: str | None = None  # set once too many samples are bad: the run stops there
-        self.progress: Progress | None = None
+        self._progress: Progress | None = None
         self._writes: ThreadPoolExecutor | None = None  # every write into the run dir goes through it
+        self._sent: set[str] = set()  # rids already sent once: a reused one may have stale segments
+        self._commits: GroupCommit | None = None
+        self._requests = asyncio.Semaphore(1)  # sized when the run starts
+
+    @property
+    def progress(self) -> Progress:
+        """The counts of the run under way (set once the run has started)."""
+        assert self._progress is not None, "no run under way"
+        return self._progress
+
+    @progress.setter
+    def progress(self, value: Progress) -> None:
+        self._progress = value
 
     # -- events
     def event(self, kind: str, **data) -> None:
@@ -298,12 +315,15 @@ class Extractor:
         self.event("resumed")
 
     # -- one sample
-    async def _capture(self, client, sample: PlannedSample, attempt: int, hidden: int):
-        from engine.capture.segments import SegmentError, assemble, release
+    async def _request(self, client, sample: PlannedSample, attempt: int) -> str:
+        """Send the sample for capture; its rid once the server has captured it as asked."""
+        from engine.capture.segments import release
         from engine.client import ServerReplyError, ServerUnreachableError
 
         rid = f"x{sample.index}-{self.tag}-a{attempt}"
-        await asyncio.to_thread(release, self.spool, rid)
+        if rid in self._sent:  # sent before (an outage): a capture of that try may linger
+            await asyncio.to_thread(release, self.spool, rid)
+        self._sent.add(rid)
         try:
             result = await client.generate(input_ids=sample.input_ids, max_new_tokens=0, rid=rid)
         except ServerUnreachableError as exc:
@@ -311,33 +331,59 @@ class Extractor:
         except ServerReplyError as exc:
             if exc.status is not None and exc.status >= 500:
                 raise Outage(str(exc)) from None
+            await asyncio.to_thread(release, self.spool, rid)
             raise SampleFailed(f"server refused the request: {exc}") from None
         meta = result.meta
+        problem = None
+        if meta.get("cached_tokens") != 0:
+            problem = f"cached_tokens={meta.get('cached_tokens')}: the radix cache must be off"
+        elif meta.get("prompt_tokens") not in (None, len(sample.input_ids)):
+            problem = f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}"
+        if problem:
+            await asyncio.to_thread(release, self.spool, rid)
+            raise SampleFailed(problem)
+        return rid
+
+    async def _capture(self, client, sample: PlannedSample, attempt: int, hidden: int):
+        """The sample's capture as tensors (`AssembledCapture`), its spool released: for callers that
+        use the states in memory rather than as a record."""
+        from engine.capture.segments import SegmentError, assemble, release
+
+        rid = await self._request(client, sample, attempt)
         try:
-            if meta.get("cached_tokens") != 0:
-                raise SampleFailed(f"cached_tokens={meta.get('cached_tokens')}: the radix cache must be off")
-            if meta.get("prompt_tokens") not in (None, len(sample.input_ids)):
-                raise SampleFailed(f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}")
-            try:
-                cap = await asyncio.to_thread(assemble, self.spool, rid, len(sample.input_ids), sample.input_ids)
-            except (SegmentError, OSError) as exc:
-                raise SampleFailed(str(exc)) from None
-            return cap
+            return await asyncio.to_thread(assemble, self.spool, rid, len(sample.input_ids), sample.input_ids)
+        except (SegmentError, OSError) as exc:
+            raise SampleFailed(str(exc)) from None
         finally:
             await asyncio.to_thread(release, self.spool, rid)
 
-    def _write(self, sample: PlannedSample, cap, hidden: int):
+    def _write(self, sample: PlannedSample, rid: str, hidden: int) -> RecordEntry:
+        """Stream the capture of `rid` into the sample's record (durable, renamed into place, not yet
+        in the manifest), then release its spool. SampleFailed/RecordError: the capture is wrong."""
         import torch
 
-        if cap.hidden_state.shape[1] != hidden or cap.aux_hidden_state.shape[1] != 3 * hidden:
-            raise SampleFailed(f"captured widths {cap.aux_hidden_state.shape[1]}/{cap.hidden_state.shape[1]}, "
-                               f"expected {3 * hidden}/{hidden}")
-        if not (all_finite(cap.aux_hidden_state) and all_finite(cap.hidden_state)):
-            raise SampleFailed("non-finite values in the captured states")
-        entry = write_record(self.run_dir, sample.index, sample.id, torch.tensor(sample.input_ids),
-                             torch.tensor(sample.loss_mask), cap.aux_hidden_state, cap.hidden_state)
-        append_manifest(self.run_dir, entry)
-        return entry
+        from engine.capture.segments import SegmentError, open_capture, release
+
+        try:
+            try:
+                capture = open_capture(self.spool, rid, len(sample.input_ids), sample.input_ids)
+            except (SegmentError, OSError) as exc:
+                raise SampleFailed(str(exc)) from None
+            with capture:
+                aux_width = capture.segments[0].blocks["aux_hidden_state"].shape[1]
+                if capture.hidden_size != hidden or aux_width != 3 * hidden:
+                    raise SampleFailed(f"captured widths {aux_width}/{capture.hidden_size}, expected "
+                                       f"{3 * hidden}/{hidden}")
+                aux: list = capture.sources("aux_hidden_state")
+                final: list = capture.sources("hidden_state")
+                if capture.dtype != "BF16":  # e.g. a float32 target on the CPU: records hold bf16
+                    aux = [tensor_bytes(capture.tensor("aux_hidden_state").to(torch.bfloat16))]
+                    final = [tensor_bytes(capture.tensor("hidden_state").to(torch.bfloat16))]
+                mask = struct.pack(f"<{len(sample.loss_mask)}q", *sample.loss_mask)
+                return write_record_stream(self.run_dir, sample.index, sample.id, capture.input_ids, mask, aux,
+                                           final, hidden, sync_dir=False)
+        finally:
+            release(self.spool, rid)
 
     async def _server_back(self, url: str, primary: bool) -> None:
         """Wait until the endpoint answers; restart the engine-owned server if it crashed."""
@@ -373,17 +419,21 @@ class Extractor:
             await self.wait_for_space()
             if self.stopping:
                 return
-            i = min(range(len(clients)), key=lambda k: load[k])
-            load[i] += 1
             try:
-                cap = await self._capture(clients[i][1], sample, attempt, hidden)
-                entry = await self._in_writer(self._write, sample, cap, hidden)
+                async with self._requests:  # extract.concurrency requests in flight per endpoint
+                    i = min(range(len(clients)), key=lambda k: load[k])
+                    load[i] += 1
+                    try:
+                        rid = await self._request(clients[i][1], sample, attempt)
+                    finally:
+                        load[i] -= 1
+                # Written while another worker's request holds the slot: the server never waits
+                # for a record to reach the disk before it gets the next request.
+                entry = await self._in_writer(self._write, sample, rid, hidden)
             except Outage:
-                load[i] -= 1
                 await self._server_back(clients[i][0], primary=(i == 0))
                 continue
             except OSError as exc:
-                load[i] -= 1
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     # The atomic write removed its temp file; nothing partial is counted.
                     self.event("paused", reason=f"disk full while writing {sample.id}")
@@ -391,7 +441,6 @@ class Extractor:
                     continue
                 raise
             except (SampleFailed, RecordError) as exc:
-                load[i] -= 1
                 attempt += 1
                 if attempt > self.cfg.extract.max_retries:
                     self.bad[sample.id] = str(exc)
@@ -405,7 +454,8 @@ class Extractor:
                     return
                 self.event("retry", id=sample.id, attempt=attempt, reason=str(exc))
                 continue
-            load[i] -= 1
+            if not await self._commit(sample, entry):
+                return
             p = self.progress
             p.done += 1
             p.tokens += entry.tokens
@@ -413,6 +463,22 @@ class Extractor:
             p.session_tokens += entry.tokens
             p.session_bytes += entry.bytes
             return
+
+    async def _commit(self, sample: PlannedSample, entry: RecordEntry) -> bool:
+        """Commit the record's manifest line (with the group); a full disk pauses and tries again.
+        False if the job stops first: the record stays on disk, uncommitted, and is redone."""
+        assert self._commits is not None
+        while True:
+            try:
+                await self._commits.commit(entry)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                self.event("paused", reason=f"disk full while committing {sample.id}")
+                await asyncio.sleep(1.0)
+                if self.stopping:
+                    return False
 
     async def _report(self) -> None:
         while True:
@@ -500,8 +566,13 @@ class Extractor:
                 await self._process(sample, clients, load, hidden)
 
         reporter = asyncio.create_task(self._report())
-        n_workers = self.cfg.extract.concurrency * len(clients)
+        in_flight = self.cfg.extract.concurrency * len(clients)
+        self._requests = asyncio.Semaphore(in_flight)
+        # Twice as many workers as requests in flight: while one writes its record, another's
+        # request takes its place at the server (the spool holds at most twice `in_flight` captures).
+        n_workers = 2 * in_flight
         self._writes = ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="record-writer")
+        self._commits = GroupCommit(self.run_dir, self._in_writer)
         workers: list[asyncio.Task] = []
         try:
             workers = [asyncio.create_task(worker()) for _ in range(n_workers)]
@@ -532,7 +603,9 @@ class Extractor:
         import torch
 
         hidden = target.hidden_size
-        final = check_run(self.run_dir, hidden)
+        # Sizes only: this session hashed its records as it wrote them, and the start of the
+        # session verified the earlier ones (re-reading gigabytes here would prove nothing new).
+        final = check_run(self.run_dir, hidden, deep=False, recent=0)
         self._release_stale_spool()  # a killed session's late captures, written after our start
         covered = set(final.good)
         missing = [s.id for s in plan.samples if s.id not in covered and s.id not in self.bad]

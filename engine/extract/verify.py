@@ -29,13 +29,15 @@ class RunCheck:
 
 
 def check_run(run_dir: Path, hidden_size: int | None = None, deep: bool | None = None, recent: int = 200) -> RunCheck:
-    """Every manifest entry whose file is present, complete and (where hashed) uncorrupted."""
+    """Every manifest entry whose file is present, complete and (where hashed) uncorrupted.
+    `deep` None: hash everything up to DEEP_LIMIT_BYTES, else only the `recent` newest; records
+    not hashed are checked by size alone."""
     entries, problems = read_manifest(run_dir)
     result = RunCheck(problems=list(problems))
     total = sum(e.bytes for e in entries.values())
     deep_all = deep if deep is not None else total <= DEEP_LIMIT_BYTES
     ordered = sorted(entries.values(), key=lambda e: e.index)
-    recent_ids = {e.id for e in ordered[-recent:]}
+    recent_ids = {e.id for e in ordered[-recent:]} if recent > 0 else set()
     for entry in ordered:
         hashed = deep_all or entry.id in recent_ids
         reason = verify_record(run_dir, entry, hidden_size if hashed else None, deep=hashed)
