@@ -147,6 +147,24 @@ def _disable_compile(exc: Exception) -> None:
           file=sys.stderr, flush=True)
 
 
+_FP32_GEMM_BROKEN: list[str] = []
+
+
+def _accumulate_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b for bf16 a, b and an fp32 out. On CUDA one GEMM that accumulates into out in fp32
+    (cuBLAS with an fp32 C): the [vocab, hidden] bf16 product and the mixed-dtype add that read and
+    wrote it again (the step's largest elementwise kernel, once per chunk) are gone, and the product is
+    not rounded to bf16 before the add. Elsewhere, or where this torch lacks out_dtype, the product in
+    bf16 then an fp32 add (what autocast + autograd do)."""
+    if out.is_cuda and not _FP32_GEMM_BROKEN:
+        try:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            return
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            _FP32_GEMM_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    out.add_(a @ b)
+
+
 def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, want_grads: bool,
                compiled: bool = False):
     """Loss total, stats [len(steps), fields] and (when want_grads) the gradients of norm_w, head_w and
@@ -187,10 +205,11 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
             sums += torch.cat([chunk_sums, (pick(step.entropy) * w_rows).sum()[None]])
             if not want_grads:
                 continue
+            assert g_head is not None and g_norm is not None and g_h is not None and g_logits is not None
             if g_head.dtype == cdtype:
                 g_head.addmm_(g_logits.T, z)
-            else:  # bf16 product, fp32 accumulation across chunks and steps (what autocast + autograd do)
-                g_head.add_(g_logits.T @ z)
+            else:  # bf16 operands, fp32 accumulation across chunks and steps
+                _accumulate_fp32(g_head, g_logits.T, z)
             g_z = (g_logits @ w_c).to(acc)
             del g_logits
             g_norm += (g_z * y.to(acc)).sum(0).to(g_norm.dtype)
