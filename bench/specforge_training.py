@@ -170,17 +170,17 @@ def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.devic
 
 
 def run_ours(cfg, t: int, ttt: int, attention: str, device: torch.device, iters: int, profile: bool, loss: str,
-             prefetch: bool = True) -> dict:
+             batches: str = "prefetched") -> dict:
     from bench.training import Variant, run_length
 
-    variant = Variant(loss, prefetch=prefetch)
+    variant = Variant(loss, prefetch=batches != "pageable", ahead=int(batches == "prefetched-ahead"))
     r = run_length(cfg, t, ttt, iters, "sdpa" if attention == "sdpa" else "flex", variant, device, None, profile)
-    r["side"] = "ours" if prefetch else "ours/pageable"
+    r["side"] = "ours" if batches == "prefetched" else f"ours/{batches}"
     return r
 
 
 def describe(r: dict, peak_tflops: float | None) -> str:
-    line = f"T={r['tokens']:6d} {r['side']:13s} {r['tokens_per_s']:9.0f} tok/s ({r['step_s'] * 1e3:7.1f} ms/step)"
+    line = f"T={r['tokens']:6d} {r['side']:22s} {r['tokens_per_s']:9.0f} tok/s ({r['step_s'] * 1e3:7.1f} ms/step)"
     line += f"  peak {r['peak_gib']:5.1f} GiB" if r["peak_gib"] is not None else "  peak n/a (CPU)"
     if peak_tflops:
         line += f"  {r['tflops']:6.1f} TFLOP/s ({100 * r['tflops'] / peak_tflops:4.1f}% of matmul)"
@@ -196,8 +196,9 @@ def main() -> int:
     parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"], help="both sides")
     parser.add_argument("--loss", default="fused-compiled", choices=["fused", "fused-compiled", "checkpoint"],
                         help="this project's loss head (fused-compiled: the trainer's default on CUDA)")
-    parser.add_argument("--sides", nargs="+", default=["ours", "specforge"], choices=["ours", "ours/pageable", "specforge"],
-                        help="ours/pageable: this project's step copying a pageable batch inside the step (before session 10)")
+    parser.add_argument("--sides", nargs="+", default=["ours", "specforge"], choices=["ours", "ours/prefetched-ahead", "ours/pageable", "specforge"],
+                        help="ours/pageable: this project's step copying a pageable batch inside the step (before "
+                             "session 10); ours/prefetched-ahead: BatchPrefetcher(ahead=1)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--json", default="")
@@ -230,7 +231,7 @@ def main() -> int:
             try:
                 if side.startswith("ours"):
                     r = run_ours(cfg, t, args.ttt, attention, device, iters, args.profile and side == "ours", args.loss,
-                                 prefetch=side == "ours")
+                                 side.partition("/")[2] or "prefetched")
                 else:
                     r = run_specforge(sf, cfg, t, args.ttt, attention, device, iters, args.profile)
             except torch.OutOfMemoryError as exc:
@@ -238,7 +239,7 @@ def main() -> int:
                 torch.cuda.empty_cache()
             rows.append(r)
             if "error" in r:
-                print(f"T={t:6d} {side:13s} {r['error']}", flush=True)
+                print(f"T={t:6d} {side:22s} {r['error']}", flush=True)
                 continue
             pair[side] = r
             print(describe(r, peak), flush=True)
@@ -247,7 +248,7 @@ def main() -> int:
         if "ours" in pair and "specforge" in pair:
             ours, theirs = pair["ours"], pair["specforge"]
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-            line = f"T={t:6d} ratio         {ratio:5.2f}x SpecForge's tok/s (goal {GOAL:.2f}x)"
+            line = f"T={t:6d} ratio                  {ratio:5.2f}x SpecForge's tok/s (goal {GOAL:.2f}x)"
             if ours["peak_gib"] is not None:
                 line += f"  peak {ours['peak_gib'] - theirs['peak_gib']:+5.2f} GiB vs SpecForge"
             print(line, flush=True)

@@ -16,8 +16,9 @@ bench/specforge_training.py runs SpecForge's trainer itself in the same process,
   --compare     per length, first the previous implementation (checkpointed loss, foreach AdamW,
                 fp32 embedding, grads zeroed after the forward), then the configuration(s) asked for
   --loss        several values run side by side (fused-compiled: TTTModel(compile_head=True))
-  --batches     prefetched (the trainer's BatchPrefetcher: pinned, copied on a side stream a step
-                ahead) and/or pageable (copied inside the step, as before session 10)
+  --batches     prefetched (the trainer's BatchPrefetcher: pinned, copied on a side stream when the
+                step asks), prefetched-ahead (copied under the previous step: one more batch held)
+                and/or pageable (copied inside the step, as before session 10)
   --profile     after timing, one more step under torch.profiler: the 15 CUDA kernels with the most
                 total time (on CPU: the 15 ops with the most self time)
   --cpu-smoke   tiny shapes on the CPU, to check that the script runs (figures mean nothing)
@@ -64,12 +65,13 @@ class Variant:
     optim: str = "fused"  # fused | foreach
     embed: str = "bf16"  # bf16 | fp32 (the frozen embedding on the GPU)
     early_zero_grad: bool = True  # grads freed before the forward instead of after it
-    prefetch: bool = True  # the trainer's BatchPrefetcher (pinned, copied a step ahead) vs a pageable copy in the step
+    prefetch: bool = True  # the trainer's BatchPrefetcher (pinned, non-blocking side-stream copy) vs a pageable copy
+    ahead: int = 0  # BatchPrefetcher(ahead=): 1 copies the next batch under the whole previous step
 
     @property
     def label(self) -> str:
         return (f"loss={self.loss} optim={self.optim} embed={self.embed} zero_grad={'early' if self.early_zero_grad else 'late'}"
-                f" batches={'prefetched' if self.prefetch else 'pageable'}")
+                f" batches={('prefetched' + ('-ahead' if self.ahead else '')) if self.prefetch else 'pageable'}")
 
 
 LEGACY = Variant("checkpoint", "foreach", "fp32", False, False)
@@ -143,7 +145,8 @@ def build(cfg: DraftConfig, t: int, steps: int, backend: str, variant: Variant, 
     batch = random_batch(cfg, t, records, torch.bfloat16 if gpu else torch.float32)
     # The trainer's path: each step's batch is copied into pinned memory on the loader thread (as collate
     # builds it there) and reaches the GPU a step ahead; the legacy path copies pageable memory in the step.
-    batches = BatchPrefetcher(lambda _: batch.pin_memory() if gpu else batch, range(10**9), device) if variant.prefetch else None
+    batches = (BatchPrefetcher(lambda _: batch.pin_memory() if gpu else batch, range(10**9), device, ahead=variant.ahead)
+               if variant.prefetch else None)
 
     def one_step() -> torch.Tensor:
         if variant.early_zero_grad:
@@ -251,8 +254,8 @@ def main() -> int:
     parser.add_argument("--backend", default="flex", choices=["flex", "sdpa"])
     parser.add_argument("--loss", nargs="+", default=["fused"], choices=["fused", "fused-compiled", "checkpoint"],
                         help="one run per value, side by side")
-    parser.add_argument("--batches", nargs="+", default=["prefetched"], choices=["prefetched", "pageable"],
-                        help="the trainer's prefetcher, or a pageable copy inside the step (session-2 rows)")
+    parser.add_argument("--batches", nargs="+", default=["prefetched"], choices=["prefetched", "prefetched-ahead", "pageable"],
+                        help="the trainer's prefetcher (-ahead: copies one step earlier), or a pageable copy in the step")
     parser.add_argument("--optim", default="fused", choices=["fused", "foreach"])
     parser.add_argument("--embed", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--zero-grad", default="early", choices=["early", "late"])
@@ -265,8 +268,8 @@ def main() -> int:
                         help="drafter shape: Llama-3.1-8B's, or that of gpu_end_to_end.py's 80M target")
     parser.add_argument("--records", type=int, nargs="+", default=[1], help="records per step (padded batch)")
     args = parser.parse_args()
-    variants = [(loss + ("" if b == "prefetched" else "/pageable"),
-                 Variant(loss, args.optim, args.embed, args.zero_grad == "early", b == "prefetched"))
+    variants = [(loss + ("" if b == "prefetched" else "/" + b),
+                 Variant(loss, args.optim, args.embed, args.zero_grad == "early", b != "pageable", int(b == "prefetched-ahead")))
                 for loss in args.loss for b in args.batches]
     if args.compare:
         variants.insert(0, ("old", LEGACY))

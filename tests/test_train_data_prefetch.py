@@ -1,8 +1,8 @@
 """BatchPrefetcher on the CPU: the same batches as the plain path, in order, from real records; a
 loader's error reaches the step that needed it; no thread outlives it; training is unchanged.
 
-(On CUDA the same class pins the batches and copies them on a side stream; bench/training.py
-measures that path on the H200.)"""
+(On CUDA the same class pins the batches and copies them on a side stream: the cuda tests below,
+run on the H200; bench/training.py measures that path.)"""
 
 from __future__ import annotations
 
@@ -148,13 +148,14 @@ def _big_batch(step: int, tokens: int = 16384, width: int = 1024) -> Batch:
 
 
 @cuda
-def test_cuda_batches_arrive_whole_on_the_consumer_stream():
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_cuda_batches_arrive_whole_on_the_consumer_stream(ahead):
     """Each batch is read on the compute stream at once, while the next one is being copied: without
     the wait on the copy's event the sums would see memory not yet written."""
     steps = range(0, 12)
     expected = [(float(_big_batch(s).aux.float().sum()), float(s)) for s in steps]
     got = []
-    with BatchPrefetcher(_big_batch, steps, "cuda") as batches:
+    with BatchPrefetcher(_big_batch, steps, "cuda", ahead=ahead) as batches:
         for batch in batches:
             assert batch.aux.is_cuda and batch.lengths.is_cuda
             got.append((float(batch.aux.float().sum()), float(batch.hidden.float().mean())))
@@ -167,7 +168,8 @@ def test_cuda_batches_arrive_whole_on_the_consumer_stream():
 
 
 @cuda
-def test_cuda_loader_error_reaches_the_step_that_needed_it():
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_cuda_loader_error_reaches_the_step_that_needed_it(ahead):
     def load(step: int) -> Batch:
         if step == 2:
             raise TrainDataError("records/0002.safetensors failed its hash: re-extract it")
@@ -175,7 +177,7 @@ def test_cuda_loader_error_reaches_the_step_that_needed_it():
 
     seen = []
     with pytest.raises(TrainDataError, match="0002.safetensors failed its hash"):
-        with BatchPrefetcher(load, range(0, 5), "cuda") as batches:
+        with BatchPrefetcher(load, range(0, 5), "cuda", ahead=ahead) as batches:
             for batch in batches:
                 seen.append(float(batch.hidden[0, 0, 0]))
     assert seen == [0.0, 1.0]

@@ -156,17 +156,21 @@ class BatchPrefetcher:
 
     A thread calls `load(step)` (reading, hashing and padding records) up to `depth` steps ahead. On
     CUDA the batch is in page-locked memory (pinned here unless `load` built it so) and its copy to the
-    GPU is issued on a side stream one step ahead, so it runs under the previous step's kernels instead
-    of stalling the step as a pageable copy does. The consumer's stream waits for that copy's event
-    only (not for the next batch's copy queued behind it), and each tensor is marked as used by the
+    GPU is a non-blocking one on a side stream: issued when the step asks for its batch (ahead=0), it
+    runs under the previous step's optimizer kernels still in flight, with no more GPU memory than a
+    pageable copy; ahead=1 issues it one step earlier, under the whole previous step, for one more
+    batch held on the GPU through that step's peak. The consumer's stream waits for that copy's event
+    only (not for a later batch's copy queued behind it), and each tensor is marked as used by the
     consumer's stream so the allocator does not hand its memory to the side stream while a step still
     reads it. On the CPU this is the plain path on a thread: `load(step)` as is.
 
     A loader exception reaches the consumer, with its message, at the step that needed the batch.
     `close()` (or leaving the `with` block) stops and joins the thread, whatever it was doing."""
 
-    def __init__(self, load: Callable[[int], Batch], steps: range, device: torch.device | str, depth: int = 2):
+    def __init__(self, load: Callable[[int], Batch], steps: range, device: torch.device | str, depth: int = 2,
+                 ahead: int = 0):
         self.load = load
+        self.ahead = ahead
         self.steps = steps
         self.device = torch.device(device)
         self.gpu = self.device.type == "cuda"
@@ -231,7 +235,7 @@ class BatchPrefetcher:
         assert staged is not None
         batch, done = staged
         self._handed += 1
-        if self.gpu and self._handed < len(self.steps):
+        if self.ahead and self.gpu and self._handed < len(self.steps):
             self._stage()  # the next copy is queued now and runs under this step's kernels
         if done is not None:
             current = torch.cuda.current_stream(self.device)
