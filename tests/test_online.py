@@ -157,12 +157,13 @@ def run_job(ws, jobs, sink: list[dict], until=None, timeout: float = 300.0):
 
 
 @pytest.fixture
-def online_ws(tiny_chat_model_dir, tmp_path):
-    """A workspace in online mode whose window lives on a small disk, with a real local server running."""
+def online_ws(request, tiny_chat_model_dir, tmp_path):
+    """A workspace in online mode whose window lives on a small disk (256k unless parametrized), with a
+    real local server running."""
     from engine.server.manager import ServerManager
 
     disk = tmp_path / "disk"
-    with small_disk(disk, "256k") as mounted:
+    with small_disk(disk, getattr(request, "param", "256k")) as mounted:
         ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir, **{**TRAIN, "dataset.path": "train.jsonl",
                                                                      "extract.output_dir": str(disk)})
         write_conversations(ws.root / "train.jsonl", 20)
@@ -249,3 +250,41 @@ def test_online_training_killed_resumes_and_retrains_only_what_followed_the_chec
     ws.save_config(set_value(ws.config, "train.mode", "offline"))
     ws.reload()
     assert get_stage("extract").checks(CheckContext(ws))[0].status.value == "fail"
+
+
+@pytest.mark.parametrize("online_ws", ["640k"], indirect=True)
+def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online_ws):
+    from engine.jobs import JobManager
+    from engine.records import read_manifest
+    from engine.train.online import LEDGER
+    from engine.train.window import window_budget, window_dir
+
+    ws, _ = online_ws
+    config = set_value(set_value(ws.config, "train.mode", "hybrid"), "train.window_gb", 0.0005)
+    ws.save_config(config)
+    ws.reload()
+    budget, root = window_budget(ws.config), window_dir(ws)
+    jobs = JobManager(ws.jobs_dir)
+    first: list[dict] = []
+    with Sampler(root) as sampler:
+        info = run_job(ws, jobs, first, until=lambda ev: any(e.get("type") == "checkpoint" for e in ev))
+        stopped = jobs.stop_sync(info.id, grace=60)  # SIGTERM: checkpoint at the next step, then exit
+        assert stopped.state == "stopped" and stopped.exit_code == 0, jobs.tail(info.id, 20)
+        events, _ = jobs.events(info.id, 0)
+        assert any(e.get("type") == "stopped" for e in events), events[-5:]
+        plan = next(e for e in events if e.get("type") == "started")
+        assert plan["mode"] == "hybrid" and plan["keep_budget"] > 0
+        second: list[dict] = []
+        info = run_job(ws, jobs, second)
+        assert info.state == "succeeded", jobs.tail(info.id, 30)
+    kept, _ = read_manifest(root / "kept")
+    from engine.train.data import _is_eval
+
+    fraction = ws.config.train.eval_fraction
+    kept_train = {i for i in kept if not _is_eval(i, fraction)}
+    assert kept_train, "hybrid kept no training sample"
+    resumed_plan = next(e for e in second if e.get("type") == "started")
+    assert resumed_plan["window_kept"] > 0  # the second run found the first run's kept records
+    streamed = {json.loads(line)["id"] for line in (ws.drafter_dir / LEDGER).read_text().splitlines()}
+    assert not streamed & kept_train  # a kept sample is captured once and read from disk by every epoch
+    assert 0 < sampler.peak <= budget
