@@ -13,7 +13,7 @@ from engine.events import GpuUpdated, JobsUpdated
 from eagle3_console.app import ConsoleApp
 from eagle3_console.gpuprocs import attribute, process_lines
 from eagle3_console.panes import GpuPane
-from tests.helpers.scenes import SCENE_PARENTS, gpu_snapshot, job
+from tests.helpers.scenes import gpu_snapshot, job, scene_parent
 
 GIB = 2**30
 JOBS = (job("server-1", "server", "running", pid=4242), job("train-1", "train", "running", pid=4300),
@@ -21,7 +21,7 @@ JOBS = (job("server-1", "server", "running", pid=4242), job("train-1", "train", 
 
 
 def test_processes_are_attributed_to_our_jobs_through_their_parents():
-    rows = attribute(gpu_snapshot(processes=True), JOBS, SCENE_PARENTS.get)
+    rows = attribute(gpu_snapshot(processes=True), JOBS, scene_parent)
     by_pid = {r.pid: r for r in rows}
     assert [by_pid[p].role for p in (5001, 5002, 5003, 5004)] == ["server worker (TP)"] * 4
     assert by_pid[5001].job_id == "server-1" and by_pid[5001].gpus == (0,) and by_pid[5001].memory == 96 * GIB
@@ -31,7 +31,7 @@ def test_processes_are_attributed_to_our_jobs_through_their_parents():
     assert by_pid[5002].util == 17  # the utilisation of the GPU it is on
     # A job that has ended owns nothing any more; a job's own process is named by its role.
     direct = attribute(gpu_snapshot(processes=True), (job("train-1", "train", "running", pid=6001),),
-                       SCENE_PARENTS.get)
+                       scene_parent)
     assert {r.pid: r.role for r in direct}[6001] == "trainer"
     lines = [Content.from_markup(line).plain for line in process_lines(rows, 78)]
     assert all(len(line) <= 78 for line in lines), lines
@@ -39,7 +39,7 @@ def test_processes_are_attributed_to_our_jobs_through_their_parents():
 
 
 def test_no_nvml_no_process_list():
-    assert attribute(gpu_snapshot(available=False), JOBS, SCENE_PARENTS.get) == []
+    assert attribute(gpu_snapshot(available=False), JOBS, scene_parent) == []
 
 
 async def test_gpu_pane_shows_whose_memory_it_is(tmp_path):
@@ -52,7 +52,7 @@ async def test_gpu_pane_shows_whose_memory_it_is(tmp_path):
     app = ConsoleApp(engine)
     async with app.run_test(size=(120, 40)) as pilot:
         pane = app.query_one(GpuPane)
-        pane.parent_of = SCENE_PARENTS.get
+        pane.parent_of = scene_parent
         engine._emit(JobsUpdated(JOBS))
         engine._emit(GpuUpdated(gpu_snapshot(processes=True)))
         await pilot.press("1")

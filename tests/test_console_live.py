@@ -22,6 +22,7 @@ import socket
 import sys
 import textwrap
 import time
+from typing import Any
 
 import pytest
 from textual.content import Content
@@ -68,7 +69,7 @@ def ws(tmp_path) -> Workspace:
 
 
 def ready_status(throughput: float, **changes) -> ServerStatus:
-    fields = dict(
+    fields: dict[str, Any] = dict(
         state="ready", backend="local", url="http://127.0.0.1:30123", job_id="server-x", pid=4242, uptime_s=125.0,
         model="/models/tiny-llama", capture={"enabled": True, "layers": [1, 1, 0], "layers_sglang": [2, 2, 1]},
         flags={"disable_radix_cache": True, "enable_metrics": True, "chunked_prefill_size": -1},

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -277,6 +278,13 @@ def by_name(results):
     return {r.name: r for r in results}
 
 
+def cached_stats(ws) -> dict[str, Any]:
+    """The dataset stage's cached statistics, which the stage just wrote."""
+    stats = load_cached_stats(ws)
+    assert stats is not None, "no cached dataset statistics"
+    return stats
+
+
 def test_stage_writes_stats_and_disk_uses_exact_count(tmp_path: Path, gen_model: Path) -> None:
     from engine.checks.dataset import check_dataset
     from engine.checks.disk import estimate_tokens
@@ -295,7 +303,7 @@ def test_stage_writes_stats_and_disk_uses_exact_count(tmp_path: Path, gen_model:
     assert "tokenised in" in results["dataset_tokens"].evidence
     assert results["eval_parse"].status is Status.PASS
 
-    stats = load_cached_stats(ws)
+    stats = cached_stats(ws)
     tok = load_tokenizer(gen_model)
     full = [tokenize_conversation(tok, c, 10**9).full_length for c in [CONV] * 30 + [long_conv, empty_answer]]
     assert stats["samples"] == 32 and stats["total_tokens"] == sum(full)
@@ -373,8 +381,8 @@ def test_truncation_fix_never_suggests_more_than_the_model_reads(tmp_path: Path,
     ws = make_workspace(tmp_path / "ws", gen_model, [{"messages": CONV}] * 3 + [{"messages": long_conv}], max_len=128)
     results = by_name(check_dataset(CheckContext(ws)))
     truncation = results["dataset_truncation"]
-    assert truncation.status is Status.WARN and f"longest {load_cached_stats(ws)['longest']:,}" in truncation.evidence
-    assert load_cached_stats(ws)["longest"] > positions
+    assert truncation.status is Status.WARN and f"longest {cached_stats(ws)['longest']:,}" in truncation.evidence
+    assert cached_stats(ws)["longest"] > positions
     assert f"at most to {positions}" in truncation.fix and "max_position_embeddings" in truncation.fix, truncation.fix
     numbers = [int(n.replace(",", "")) for n in __import__("re").findall(r"\b\d[\d,]*\b", truncation.fix)]
     assert max(numbers) <= positions, truncation.fix
@@ -389,7 +397,7 @@ def test_truncation_fix_never_suggests_more_than_the_model_reads(tmp_path: Path,
         {"role": "user", "content": "hello " * 100}, {"role": "assistant", "content": "world"}]}], max_len=64)
     stats_longest = None
     truncation = by_name(check_dataset(CheckContext(ws)))["dataset_truncation"]
-    stats_longest = load_cached_stats(ws)["longest"]
+    stats_longest = cached_stats(ws)["longest"]
     assert stats_longest <= positions and f"to {stats_longest} keeps everything" in truncation.fix, truncation.fix
 
 

@@ -7,6 +7,8 @@ random-init configs built here (MHA, 1 KV head, llama3 RoPE, tied embeddings, at
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -35,7 +37,7 @@ def random_llama(seed: int = 0, **changes):
     """A 4-layer random Llama (hidden 64, vocab 300) with weights N(0, 0.2), so greedy output varies."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    settings = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    settings: dict[str, Any] = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=4096,
                     tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     settings.update(changes)

@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -413,7 +414,8 @@ def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path
         for prompt, result in zip(prompts, results):
             assert result.output_ids == [] and result.meta["prompt_tokens"] == len(prompt)
             assert result.meta["finish_reason"] == {"type": "length", "length": 0}
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda().eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)  # .cuda() mistyped
+        model = model.cuda().eval()
         for prompt, rid in zip(prompts, rids):
             if rid is None:
                 continue  # checked below: no segment directory besides the captured rids

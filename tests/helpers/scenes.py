@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from engine.checks.base import CheckResult, StageReport, StageState, Status
 from engine.core import Engine
@@ -19,7 +20,7 @@ from engine.disk import DiskUsage
 from engine.events import DiskUpdated, GpuUpdated, JobEvents, JobLogTail, JobsUpdated, ServerUpdated, StageUpdated
 from engine.jobevents import JobEvent, parse_many
 from engine.gpu import GpuSample, GpuSnapshot
-from engine.jobs import JobInfo
+from engine.jobs import JobInfo, JobState
 from engine.pipeline import stages
 from engine.server.manager import ServerStatus
 from eagle3_console.app import ConsoleApp
@@ -33,6 +34,11 @@ SHOWN_ROOT = Path("/srv/eagle3/ws-demo")  # the header shows this instead of the
 # pid -> parent pid of the scene's GPU processes: SGLang TP workers under the server job (4242), two
 # trainer ranks under torchrun (the train job, 4300), and someone else's process (no job above it).
 SCENE_PARENTS = {5001: 4242, 5002: 4242, 5003: 4242, 5004: 4242, 6001: 4300, 6002: 4300, 9999: 1}
+
+
+def scene_parent(pid: int) -> int | None:
+    """The parent-pid lookup over SCENE_PARENTS (what psutil_parent is on a real machine)."""
+    return SCENE_PARENTS.get(pid)
 
 
 def scene_processes(i: int) -> tuple:
@@ -73,7 +79,7 @@ def disks(full: bool = False) -> tuple[DiskUsage, ...]:
 
 
 def job(job_id: str, kind: str, state: str, exit_code: int | None = None, pid: int = 4100) -> JobInfo:
-    return JobInfo(id=job_id, kind=kind, argv=("python", "-m", f"engine.{kind}"), state=state, pid=pid,
+    return JobInfo(id=job_id, kind=kind, argv=("python", "-m", f"engine.{kind}"), state=JobState(state), pid=pid,
                    create_time=T0, exit_code=exit_code, started_at=T0, ended_at=None,
                    last_log_lines=tuple(job_log(job_id, state)[-5:]), dir=Path("/nonexistent") / job_id)
 
@@ -97,7 +103,7 @@ SCENE_STATES: dict[str, str] = {}
 
 
 def server_status(state: str = "ready") -> ServerStatus:
-    common = dict(backend="sglang", url="http://127.0.0.1:30000", job_id="server-1", model="/models/Llama-3.1-8B",
+    common: dict[str, Any] = dict(backend="sglang", url="http://127.0.0.1:30000", job_id="server-1", model="/models/Llama-3.1-8B",
                   capture={"enabled": True, "layers": [1, 15, 28], "layers_sglang": [2, 16, 29]},
                   flags={"disable_radix_cache": True, "enable_metrics": True, "chunked_prefill_size": 8192},
                   log_tail=("[2026-01-01 00:00:01] server is fired up and ready to roll!",
@@ -170,6 +176,7 @@ def write_report(eval_dir: Path, speedup: float) -> None:
 def stage_reports(kind: str) -> list[StageReport]:
     """Stage reports for a scene: all pending, mixed (one failure with a fix), or all green."""
     out = []
+    results: tuple[CheckResult, ...]
     for stage in stages():
         if kind == "pending":
             out.append(StageReport(stage.name, stage.title, StageState.PENDING, note="not run yet"))
@@ -235,7 +242,7 @@ async def apply_scene(app: ConsoleApp, pilot, scene: str, tab: str | None = None
     else:
         from eagle3_console.panes import GpuPane
 
-        app.query_one(GpuPane).parent_of = SCENE_PARENTS.get
+        app.query_one(GpuPane).parent_of = scene_parent
         for step in range(12):
             emit(GpuUpdated(gpu_snapshot(step=step, processes=True)))
         emit(DiskUpdated(disks(full=scene == "running")))
