@@ -234,9 +234,11 @@ def run(args) -> int:  # noqa: C901 - a linear script
         # The same bytes on the same file system (next to the run directory), the same run.
         scratch = Path(tempfile.mkdtemp(prefix=".extbench-disk-", dir=ws.hidden_dir.parent))
         try:
-            log(f"disk: {samples} atomic files of {total // samples:,} bytes")
-            atomic_mb_s = atomic_files_mb_s(scratch / "atomic", samples, total // samples)
-            shutil.rmtree(scratch / "atomic")
+            atomic_mb_s = 0.0
+            if not args.skip_atomic:
+                log(f"disk: {samples} atomic files of {total // samples:,} bytes")
+                atomic_mb_s = atomic_files_mb_s(scratch / "atomic", samples, total // samples)
+                shutil.rmtree(scratch / "atomic")
             log(f"disk: one plain file of {total:,} bytes")
             plain_mb_s = plain_file_mb_s(scratch / "plain.bin", total)
         finally:
@@ -277,6 +279,8 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--concurrency", type=int, default=None, help="extract.concurrency (requests in flight)")
     parser.add_argument("--out-dir", default=None, help="where the temp workspace (the disk under test) goes")
+    parser.add_argument("--skip-atomic", action="store_true",
+                        help="leave out the atomic small-files write (the plain write is the ratio's measure)")
     parser.add_argument("--steps", action="store_true",
                         help="time each step of the job's per-record path (bench/step_timer.py)")
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None,

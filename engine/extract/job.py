@@ -45,6 +45,7 @@ COMPLETE = "complete.json"
 PAUSE_FILE = "pause.requested"
 SPOOL_SESSIONS = "spool_sessions.txt"  # rid tags of every session of this run, one a line
 RUN_LOCK = ".extract.lock"  # flock held by the one extraction writing this run
+SPACE_CHECK_S = 0.25  # how often free space and the pause file are looked at while requests go out
 _RID = re.compile(r"^x\d+-([0-9a-f]{6})-a\d+$")
 # An extraction fails (exit non-zero, `extract` red) when no sample is good, or when more than this
 # fraction of its planned samples is bad: a run that "succeeds" with nothing is how a server
@@ -118,6 +119,7 @@ class Extractor:
         self._sent: set[str] = set()  # rids already sent once: a reused one may have stale segments
         self._commits: GroupCommit | None = None
         self._requests = asyncio.Semaphore(1)  # sized when the run starts
+        self._space_ok_at = -SPACE_CHECK_S  # when the disks last had room and no pause was asked for
 
     @property
     def progress(self) -> Progress:
@@ -303,8 +305,13 @@ class Extractor:
         return low_space(self._space_paths())
 
     async def wait_for_space(self) -> None:
+        # Looked at every SPACE_CHECK_S, not before every request: each look is a thread hop and two
+        # statvfs calls, and a disk that fills in between still pauses (the write meets ENOSPC).
+        if time.monotonic() - self._space_ok_at < SPACE_CHECK_S:
+            return
         reason = await asyncio.to_thread(self._pause_reason)
         if not reason:
+            self._space_ok_at = time.monotonic()
             return
         self.progress.paused = reason
         self.event("paused", reason=reason)
