@@ -88,36 +88,14 @@ def _estimate(ctx: CheckContext) -> str:
     offline = fmt_bytes(tokens * bytes_per_token(hidden))
     if cfg.train.mode == "offline":
         return f"train.mode = offline: trains from the extraction's records ({offline} for {tokens:,} tokens)"
-    rate = _capture_rate(ctx)
+    from engine.train.window import last_capture_rate
+
+    rate = last_capture_rate(ctx.workspace)
     prefill = (f"≈{tokens / rate:,.0f} s of prefill per epoch at {rate:,.0f} tok/s (the last capture rate measured)"
                if rate else "prefill time per epoch unknown until a capture rate is measured (an extraction or "
                             "online training job)")
     return (f"train.mode = {cfg.train.mode}: each epoch captures its {tokens:,} tokens again, {prefill}, within a "
             f"{fmt_bytes(window_budget(cfg))} window, instead of the {offline} an offline extraction would store")
-
-
-def _capture_rate(ctx: CheckContext) -> float | None:
-    """tokens/s of capture last measured: an online training job's producer rate or an extraction's rate."""
-    from engine.jobs import JobManager
-
-    jobs = JobManager(ctx.workspace.jobs_dir)
-    for job in jobs.list():  # newest first
-        if job.kind not in ("extract", "train"):
-            continue
-        try:
-            lines = (job.dir / "events.jsonl").read_text().splitlines()
-        except OSError:
-            continue
-        for line in reversed(lines[-400:]):
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            key = "capture_tokens_per_s" if job.kind == "train" else "tokens_per_s"
-            value = event.get(key) if event.get("type") == "progress" else None
-            if isinstance(value, (int, float)) and value > 0:
-                return float(value)
-    return None
 
 
 def check_train(ctx: CheckContext) -> list[CheckResult]:

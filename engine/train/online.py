@@ -59,7 +59,15 @@ from engine.records import (
     write_run_meta,
 )
 from engine.train.data import RecordData, TrainDataError, _is_eval
-from engine.train.window import Window, WindowClosed, files_bytes, record_bytes, window_budget, window_dir
+from engine.train.window import (
+    Window,
+    WindowClosed,
+    files_bytes,
+    last_capture_rate,
+    record_bytes,
+    window_budget,
+    window_dir,
+)
 
 STREAM = "stream"
 KEPT = "kept"
@@ -132,6 +140,7 @@ class OnlineData(RecordData):
         self.consumed_tokens = 0
         self._rate_mark = (time.monotonic(), 0, 0)
         self.keep_budget = 0
+        self._rate: float | None = None  # the last capture rate measured in this workspace (tok/s), for the plan
         self.keep_used = 0  # bytes of training records kept or being kept (hybrid), decided in step order
         self._open_kept()  # the trainer holds the drafter's lock: no other run uses this window
         self._plan_keep_budget()
@@ -228,8 +237,14 @@ class OnlineData(RecordData):
         self._thread.start()
 
     def plan_fields(self) -> dict[str, Any]:
+        """The plan, before any capture: what an epoch costs in prefill (at the last capture rate measured
+        here) against the disk an offline run would need, and the window."""
         tokens = sum(e.tokens for e in self.train_entries)
-        return {"mode": self.mode, "window_budget": self.window.budget, "window_kept": self.window.kept,
+        if self._rate is None:
+            self._rate = last_capture_rate(self.ws) or 0.0
+        estimate = {"capture_rate_seen": round(self._rate, 1),
+                    "prefill_s_per_epoch": round(tokens / self._rate, 1)} if self._rate else {}
+        return {**estimate, "mode": self.mode, "window_budget": self.window.budget, "window_kept": self.window.kept,
                 "keep_budget": self.keep_budget, "epoch_tokens": tokens, "offline_bytes": self.offline_bytes(),
                 "eval_kept": len(self.eval_entries), "held_out": self.held_out, "window_dir": str(self.dir)}
 

@@ -11,6 +11,7 @@ what is written, so the bytes on disk never exceed what is reserved."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -37,6 +38,30 @@ def window_dir(workspace) -> Path:
 
 def window_budget(config) -> int:
     return int(config.train.window_gb * GB)
+
+
+def last_capture_rate(workspace) -> float | None:
+    """Tokens/s of capture last measured in this workspace: an online training job's producer rate, else an
+    extraction's rate (the newest job that reported one); None before any."""
+    from engine.jobs import JobManager
+
+    for job in JobManager(workspace.jobs_dir).list():  # newest first
+        if job.kind not in ("extract", "train"):
+            continue
+        try:
+            lines = (job.dir / "events.jsonl").read_text().splitlines()
+        except OSError:
+            continue
+        key = "capture_tokens_per_s" if job.kind == "train" else "tokens_per_s"
+        for line in reversed(lines[-400:]):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            value = event.get(key) if isinstance(event, dict) and event.get("type") == "progress" else None
+            if isinstance(value, (int, float)) and value > 0:
+                return float(value)
+    return None
 
 
 def record_bytes(tokens: int, hidden_size: int) -> int:
