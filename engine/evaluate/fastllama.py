@@ -25,7 +25,7 @@ output, j in 1..L-1 the output of decoder layer j-1.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -152,9 +152,9 @@ def _linear_ok(module) -> bool:
     return isinstance(module, torch.nn.Linear) and module.bias is None
 
 
-def unsupported_reason(model) -> str | None:
+def unsupported_reason(model: Any) -> str | None:
     """None when this runner reproduces `model` exactly; else a short reason."""
-    cfg = getattr(model, "config", None)
+    cfg: Any = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not a plain Llama"
@@ -183,7 +183,8 @@ def unsupported_reason(model) -> str | None:
     heads, kv_heads = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or
                                                         cfg.num_attention_heads)
     for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        attn: Any = getattr(layer, "self_attn", None)
+        mlp: Any = getattr(layer, "mlp", None)
         if not all(_linear_ok(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
             return "attention projections with bias or of another kind"
         if not all(_linear_ok(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):

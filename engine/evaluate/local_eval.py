@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from engine.evaluate.prompts import EvalPrompt
 from engine.evaluate.report import PromptResult, first_mismatch
@@ -19,8 +19,8 @@ class EvalError(EngineError):
 
 @dataclass
 class LocalSetup:
-    target: object
-    drafter: object
+    target: Any  # a transformers causal LM
+    drafter: Any  # engine.train.model.Eagle3Drafter
     aux_layers: list[int]  # transformers hidden_states indices the served layers land on (ours + 1)
     stop_ids: list[int]
     device: str
@@ -85,8 +85,8 @@ def load_local(workspace, export_dir: Path, tokenizer) -> LocalSetup:
     major_minor = tuple(int(p) for p in transformers.__version__.split(".")[:2])
     dtype_kw = "dtype" if major_minor >= (4, 56) else "torch_dtype"  # renamed in 4.56
     try:
-        target = AutoModelForCausalLM.from_pretrained(str(workspace.model_dir), local_files_only=True,
-                                                      **{dtype_kw: dtype})
+        target: Any = AutoModelForCausalLM.from_pretrained(str(workspace.model_dir), local_files_only=True,
+                                                           **{dtype_kw: dtype})
     except Exception as exc:  # transformers raises many types for a broken directory
         raise EvalError(f"cannot load the target from {workspace.model_dir} ({type(exc).__name__}: {exc}); "
                         "fix the `model` stage first") from None
@@ -292,9 +292,9 @@ def measure_local(setup: LocalSetup, prompts: list[EvalPrompt], max_new_tokens: 
                 order: list[int | None] = [None] + settings
                 shift = (r + w) % len(order)
                 order = order[shift:] + order[:shift]
-                runs = {}
-                for steps in order:
-                    runs[steps] = _wave(setup, [ids[i] for i in members], max_new_tokens, steps)
+                runs: dict[int | None, list[Run]] = {}
+                for side in order:
+                    runs[side] = _wave(setup, [ids[i] for i in members], max_new_tokens, side)
                 base = runs[None]
                 for steps in settings:
                     for i, b, s in zip(members, base, runs[steps]):

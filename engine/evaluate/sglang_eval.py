@@ -78,8 +78,8 @@ def speculative_argv(base: list[str], export_dir: Path | str, steps: int, topk: 
 def settings_notes(steps: int, topk: int, draft_tokens: int) -> list[str]:
     notes: list[str] = []
     if topk == 1 and draft_tokens != steps + 1:
-        notes.append(f"with top-k 1 SGLang verifies steps+1 = {steps + 1} tokens; "
-                     f"evaluate.spec_draft_tokens {draft_tokens} is adjusted by SGLang")
+        notes.append(f"with top-k 1 SGLang verifies steps+1 = {steps + 1} tokens; evaluate.spec_draft_tokens "
+                     f"{draft_tokens} is adjusted by SGLang (measured and reported with {steps + 1})")
     return notes
 
 
@@ -394,7 +394,6 @@ async def measure_sglang(plan: list[tuple[str, SpecSetting | None, list[str]]], 
     configured_run = runs.get(configured)
     results = _prompt_results(prompts, base, configured_run, levels[0], rounds) if base and configured_run else []
     gauge = metrics_accept_length(configured_run.metrics) if configured_run else None
-    notes += settings_notes(configured.steps, configured.topk, configured.draft_tokens)
     notes.append(f"SGLang backend: the plain server, then one speculative server per setting ({len(runs)}), launched "
                  "one after another with the same argv but for the speculative flags; per server an untimed warm-up "
                  f"per level, then {rounds} round(s) each running every level (order rotating per round). "
@@ -493,7 +492,9 @@ async def evaluate_sglang(workspace: Any, export_dir: Path, prompts: list[EvalPr
         def launch(kind: str, argv: list[str], env: dict[str, str], url: str, api_key: str | None) -> EvalServer:
             return EvalServer(jobs, kind, argv, env, url, api_key, workspace.root)
 
-    return await measure_sglang(plan_servers(spec.argv, export_dir, settings), launch, spec.env, spec.url,
-                                spec.api_key, cfg.server.startup_timeout_s, prompts, ev.max_new_tokens, configured,
-                                ev.rounds, list(ev.concurrency), progress=progress, should_stop=should_stop,
-                                on_phase=on_phase)
+    measured = await measure_sglang(plan_servers(spec.argv, export_dir, settings), launch, spec.env, spec.url,
+                                    spec.api_key, cfg.server.startup_timeout_s, prompts, ev.max_new_tokens,
+                                    configured, ev.rounds, list(ev.concurrency), progress=progress,
+                                    should_stop=should_stop, on_phase=on_phase)
+    measured["notes"] += settings_notes(ev.spec_steps, ev.spec_topk, ev.spec_draft_tokens)
+    return measured

@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +125,7 @@ def _fused_draft_weights(drafter: Eagle3Drafter) -> tuple[torch.Tensor, torch.Te
     with torch.no_grad():
         qkv = torch.cat(sources[:3]).detach()
         gate_up = torch.cat(sources[3:]).detach()
-    drafter._eagle3_fused_weights = (key, qkv, gate_up)
+    setattr(drafter, "_eagle3_fused_weights", (key, qkv, gate_up))  # a plain attribute, not a submodule
     return qkv, gate_up
 
 
@@ -152,7 +152,8 @@ class DraftRunner:
         # As engine.train.model.rope_cos_sin computes it, so positions match training bit for bit.
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.head_dim, 2, device=device,
                                                                dtype=torch.float32) / self.head_dim))
-        self.hot_ids = drafter.d2t + torch.arange(drafter.d2t.shape[0], device=drafter.d2t.device)
+        d2t = cast(torch.Tensor, drafter.d2t)  # a registered buffer
+        self.hot_ids = d2t + torch.arange(d2t.shape[0], device=d2t.device)
         self.length = 0
         self.capacity = 0
         self.cache: torch.Tensor | None = None  # [2 (k, v), 1, kv_heads, capacity, head_dim]
