@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 from engine.atomic import append_line, write_json
 from engine.jsonfile import read_json_object
-from engine.jobevents import JobEvent, MalformedEvent, parse_event
+from engine.jobevents import JobEvent, MalformedEvent, UnknownEvent, parse_event
 from engine.jsonl import dumps_line
 from engine.errors import EngineError
 
@@ -40,6 +40,9 @@ LOG_FILE = "log.txt"
 # supervisor knows the child got the signal too and does not send it a second time.
 STOP_MARKER = "stop.requested"
 LAST_LOG_LINES = 20
+# Set (to anything) in tests: an event outside the contract (a kind, a field, or a type engine.jobevents
+# does not name) raises in the job instead of being written with a note in its log.
+STRICT_EVENTS_ENV = "EAGLE3_STRICT_JOB_EVENTS"
 
 
 class JobRecordError(EngineError, RuntimeError):
@@ -128,8 +131,14 @@ class JobContext:
         # job's bug: said in its log, and the line is still written (a report is never dropped).
         decoded = json.loads(dumps_line(record, default=str))
         try:
-            decoded = parse_event(decoded).to_dict()
+            event = parse_event(decoded)
+            decoded = event.to_dict()
+            if os.environ.get(STRICT_EVENTS_ENV) and (isinstance(event, UnknownEvent) or event.extra):
+                raise MalformedEvent(f"{type} event: kind or fields {sorted(event.extra)} are not named in "
+                                     "engine/jobevents.py; add them there")
         except MalformedEvent as exc:
+            if os.environ.get(STRICT_EVENTS_ENV):
+                raise
             print(f"job event not per the contract (engine.jobevents), written as given: {exc}",
                   file=sys.stderr, flush=True)
         append_line(self.events_path, dumps_line(decoded))

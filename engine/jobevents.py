@@ -102,6 +102,17 @@ class Progress(JobEvent):
     # training
     loss: float | None = None
     sim_al: float | None = None
+    # online/hybrid training (engine.train.online): the data's position, both rates, the window's fill
+    mode: str | None = None
+    epoch: int | None = None
+    epoch_step: int | None = None
+    steps_per_epoch: int | None = None
+    capture_tokens_per_s: float | None = None
+    train_tokens_per_s: float | None = None
+    window_bytes: int | None = None
+    window_budget: int | None = None
+    window_peak: int | None = None
+    captured: int | None = None
     # evaluation
     acceptance_length: float | None = None
     speedup: float | None = None
@@ -134,6 +145,20 @@ class Started(JobEvent):
     device: str | None = None
     world: int | None = None
     backend: str | None = None  # training's process group, evaluation's server backend
+    mode: str | None = None  # training data: offline, online or hybrid
+    epoch: int | None = None
+    next_index: int | None = None
+    # online/hybrid training's plan (engine.train.online.plan_fields)
+    capture_rate_seen: float | None = None
+    prefill_s_per_epoch: float | None = None
+    window_budget: int | None = None
+    window_kept: int | None = None
+    keep_budget: int | None = None
+    epoch_tokens: int | None = None
+    offline_bytes: int | None = None
+    eval_kept: int | None = None
+    held_out: int | None = None
+    window_dir: str | None = None
     # evaluation
     prompts: int | None = None
     skipped: int | None = None
@@ -211,10 +236,14 @@ class Paused(JobEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class Resumed(JobEvent):
-    """Extraction: going on after a pause. Training: resumed from the checkpoint of `step`."""
+    """Extraction: going on after a pause. Training: resumed from the checkpoint of `step`, the data at
+    sample `next_index` of epoch `epoch`'s order."""
 
     KIND = "resumed"
     step: int | None = None
+    mode: str | None = None
+    epoch: int | None = None
+    next_index: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from engine.jobctx import JobContext
+from engine.jobctx import STRICT_EVENTS_ENV, JobContext
 from engine.jobevents import (
     EVENT_TYPES,
     JobEvent,
@@ -131,3 +131,14 @@ def test_the_context_writes_from_the_dataclass_and_keeps_a_badly_typed_report(tm
     assert "field 'reason' must be str" in capsys.readouterr().err
     with pytest.raises(ValueError):
         ctx.event("paused", type="x")
+
+
+def test_strict_mode_makes_an_event_outside_the_contract_fail_in_the_job(tmp_path, monkeypatch):
+    """EAGLE3_STRICT_JOB_EVENTS (for test runs of real jobs): unnamed kinds and fields, and wrong types, raise."""
+    ctx = JobContext(tmp_path)
+    monkeypatch.setenv(STRICT_EVENTS_ENV, "1")
+    ctx.event("paused", reason="disk")  # per the contract: written
+    for kind, data in (("progress", {"done": 1, "unnamed": 2}), ("telemetry", {}), ("paused", {"reason": 3})):
+        with pytest.raises(MalformedEvent):
+            ctx.event(kind, **data)
+    assert len((tmp_path / "events.jsonl").read_text().splitlines()) == 1
