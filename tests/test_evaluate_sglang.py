@@ -156,6 +156,22 @@ def test_sglang_backend_measures_every_setting_and_level_and_recommends(ws, tmp_
     assert all(e["acceptance_length"] for e in spec_events) and any(e["speedup"] for e in spec_events)
 
 
+def test_a_stop_request_ends_the_run_with_what_both_sides_completed(ws, tmp_path):
+    """Stopping (the job's SIGTERM) while the second speculative server runs: no further launch, that
+    server stopped, and the report holds the setting whose runs both sides completed."""
+    prompts = [EvalPrompt(f"p{i}", [5 + i, 17, 3 * i + 1, 40]) for i in range(8)]
+    phases: list[str] = []
+    jobs = JobManager(ws.jobs_dir)
+    measured = asyncio.run(evaluate_sglang(ws, ws.drafter_dir / "export", prompts, on_phase=phases.append,
+                                           should_stop=lambda: len(phases) >= 3,
+                                           launch=standin_launch(jobs, ws.root, tmp_path / "log.jsonl", [])))
+    assert phases == ["eval-server-baseline", "eval-server-spec-1-1-2", "eval-server-spec-2-2-4"]
+    assert all(job.state not in ("starting", "running") for job in jobs.list())
+    assert measured["stopped"] and measured["done"] == 2 * 8 * 2 * 2 < measured["total"]
+    assert [[s["key"] for s in lv["settings"]] for lv in measured["levels"]] == [["1/1/2"], ["1/1/2"]]
+    assert len(measured["prompt_results"]) == 8
+
+
 def test_sweep_settings_take_the_configured_one_and_refuse_what_sglang_would_rewrite(ws):
     from engine.evaluate.sglang_eval import SglangEvalError
 
@@ -295,3 +311,40 @@ async def test_evaluate_job_on_sglang_writes_the_report_the_pane_shows(tmp_path,
                 assert any(line.split()[:1] == [str(conc)] and verdict in line for line in lines), (size, text)
             assert "steps 3 top-k 1 draft tokens 4" in text, (size, text)  # the best setting at 1, by name
             assert "serve without speculation" in text and "stops paying at concurrency 4" in text, text
+
+
+SGLANG_EVAL_JOB = """
+import time
+from engine.jobctx import JobContext
+ctx = JobContext.from_env()
+ctx.event("started", backend="sglang", prompts=8, rounds=2)
+ctx.event("progress", unit="requests x rounds x servers", done=40, total=128, concurrency=4, round=1, rounds=2,
+          server="eval-server-spec-3-1-4", setting="steps 3 top-k 1 draft tokens 4", acceptance_length=3.1,
+          speedup=1.4, eta_s=30.0)
+time.sleep(60)
+"""
+
+
+def test_running_sglang_evaluation_names_its_unit_and_server_in_the_stage(tmp_path):
+    """A real evaluate-kind job reporting progress as the SGLang backend does: the `evaluate` check
+    counts in its unit (every server's requests) and names the setting being measured."""
+    import time
+
+    from engine.checks.context import CheckContext
+    from engine.checks.evaluate import check_evaluate
+    from tests.helpers.workspaces import console_workspace
+
+    ws = console_workspace(tmp_path)
+    jobs = JobManager(ws.jobs_dir)
+    job = jobs.start("evaluate", [sys.executable, "-c", SGLANG_EVAL_JOB])
+    try:
+        events = job.dir / "events.jsonl"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (events.exists() and b"progress" in events.read_bytes()):
+            time.sleep(0.1)
+        (result,) = check_evaluate(CheckContext(ws))
+        assert result.evidence == (f"evaluation running (job {job.id}): 40/128 requests x rounds x servers, "
+                                   "concurrency 4 round 1/2, server steps 3 top-k 1 draft tokens 4, acceptance "
+                                   "length so far 3.10, median speedup so far 1.40×")
+    finally:
+        jobs.stop_sync(job.id, grace=5)

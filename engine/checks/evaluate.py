@@ -27,9 +27,11 @@ def _running(ws, job) -> str:
     last = next((e for e in reversed(events) if e.get("type") == "progress"), None)
     if last is None:
         return text
-    parts = [f"{last.get('done')}/{last.get('total')} requests x rounds"]
+    parts = [f"{last.get('done')}/{last.get('total')} {last.get('unit') or 'requests x rounds'}"]
     if last.get("concurrency") is not None:
         parts.append(f"concurrency {last['concurrency']} round {last.get('round')}/{last.get('rounds')}")
+    if last.get("setting"):  # SGLang backend: the server measured now
+        parts.append(f"server {last['setting']}")
     if isinstance(last.get("acceptance_length"), (int, float)):
         parts.append(f"acceptance length so far {last['acceptance_length']:.2f}")
     if isinstance(last.get("speedup"), (int, float)):
