@@ -22,7 +22,7 @@ from engine.jobs import JobManager
 from engine.procinfo import is_same_process
 from engine.workspace import WorkspaceLock
 from faults import ledger
-from faults.conftest import SEED
+from faults.helpers import SEED
 from faults.console import ConsoleProcess
 
 TRIALS = 20

@@ -13,7 +13,7 @@ import random
 from engine.extract.job import Extractor
 from engine.extract.verify import check_run
 from faults import ledger, zygote
-from faults.conftest import HIDDEN, SEED, check_complete, fault_workspace, manifest_lines, plan_ids
+from faults.helpers import HIDDEN, SEED, check_complete, fault_workspace, manifest_lines, plan_ids
 
 TRAIN = {"train.draft_vocab_size": 128, "train.max_len": 64, "train.batch_size": 2, "train.ttt_steps": 2,
          "train.epochs": 1, "train.eval_fraction": 0.0, "train.save_every": 100, "train.log_every": 1}

@@ -17,14 +17,12 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.checks.base import Status
 from engine.checks.context import CheckContext
 from engine.disk import bytes_per_token, fmt_bytes
 from faults import ledger
-from faults.conftest import HIDDEN, tmpfs
+from faults.helpers import HIDDEN, tmpfs
 
 RESERVE = 256 * 1024  # bytes; 2**-12 GiB is exact as a float
 N = 60

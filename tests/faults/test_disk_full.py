@@ -21,7 +21,7 @@ from engine.atomic import append_line
 from engine.config import set_value
 from engine.records import read_manifest
 from faults import ledger, zygote
-from faults.conftest import SEED, check_at_rest, check_complete, fault_workspace, plan_ids, tmpfs
+from faults.helpers import SEED, check_at_rest, check_complete, fault_workspace, plan_ids, tmpfs
 
 CYCLES = 6  # fill/free cycles, alternating output disk and spool
 

@@ -15,7 +15,7 @@ import time
 
 from engine.config import set_value
 from faults import ledger, zygote
-from faults.conftest import SEED, check_at_rest, check_complete, fault_workspace, plan_ids
+from faults.helpers import SEED, check_at_rest, check_complete, fault_workspace, plan_ids
 
 TRIALS = 20
 

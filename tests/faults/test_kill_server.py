@@ -22,7 +22,7 @@ from engine.config import set_value
 from engine.procinfo import is_same_process
 from engine.server.manager import ServerManager
 from faults import ledger, zygote
-from faults.conftest import SEED, check_complete, plan_ids
+from faults.helpers import SEED, check_complete, plan_ids
 
 TRIALS = 20
 

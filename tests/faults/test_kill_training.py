@@ -17,7 +17,7 @@ import torch
 
 from engine.config import set_value
 from faults import ledger, zygote
-from faults.conftest import SEED, fault_train_workspace, metric_rows
+from faults.helpers import SEED, fault_train_workspace, metric_rows
 
 TRIALS = 20
 COMPARED = ("loss", "acc", "sim_al", "lr", "grad_norm")

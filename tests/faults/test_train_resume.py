@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.processes import lock_held_by_another_process
-from faults.conftest import fault_train_workspace, metric_rows
+from faults.helpers import fault_train_workspace, metric_rows
 
 
 def test_relaunch_after_a_crash_before_the_first_checkpoint_has_no_duplicate_metrics(

@@ -10,6 +10,7 @@
 - screen: what a Textual app shows as text, and waiting for it under Pilot.
 - scenes: deterministic console scenes for snapshots and screenshots.
 
-Fixtures stay in conftest.py (tests/faults/conftest.py for the fault suite's own); anything a
-test module imports comes from here.
+Fixtures stay in conftest.py; anything a test module imports comes from here (the fault suite's
+own helpers are its package's modules: tests/faults/helpers.py, console.py, ledger.py, zygote.py).
+tests/test_helpers_home.py fails when a test module imports another one or a conftest.
 """
