@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,7 +39,7 @@ SIZES = {
 }
 
 
-def build_model(size: str, out: Path, dtype: str) -> Path:
+def build_model(size: str, out: Path, dtype: str) -> tuple[Path, int]:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -50,9 +51,10 @@ def build_model(size: str, out: Path, dtype: str) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(["capture overhead benchmark text"] * 10, trainer=trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
-                         torch_dtype=dtype, tie_word_embeddings=False)
+    settings: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                    max_position_embeddings=8192, torch_dtype=dtype, tie_word_embeddings=False)
+    config = LlamaConfig(**settings)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
@@ -89,7 +91,7 @@ async def _send(client, spool: Path, capture: bool, items: list[tuple[int, list[
         async with sem:
             rid = f"bench-{seed}-{i}" if capture else None
             result = await client.generate(input_ids=ids, max_new_tokens=0, rid=rid)
-            if capture:  # the consumer's part of capturing: the segment is freed once read
+            if rid is not None:  # the consumer's part of capturing: the segment is freed once read
                 await asyncio.to_thread(release, spool, rid)
             return int(result.meta.get("prompt_tokens", len(ids)))
 
@@ -141,8 +143,8 @@ class _Clients:
 
     def __init__(self, url: str, spool: Path, count: int) -> None:
         self.url, self.spool, self.count = url, spool, max(1, count)
-        self._pool = None
-        self._client = None
+        self._pool: Any = None
+        self._client: Any = None
 
     async def __aenter__(self) -> _Clients:
         if self.count == 1:

@@ -220,7 +220,7 @@ def run(args) -> int:  # noqa: C901 - a linear script
         # Taken now: the disk measurements below fsync too, and the timers count every fsync.
         steps = step_timer.snapshot() if args.steps else None
         finished, begun = ctx.first("finished"), ctx.first("started")
-        if code != 0 or finished is None:
+        if code != 0 or finished is None or begun is None:
             print(f"extraction bench: the extraction job ended with code {code}: "
                   f"{[e for e in ctx.events if e['type'] not in ('retry',)][-5:]}", file=sys.stderr)
             return 1

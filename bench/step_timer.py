@@ -34,7 +34,7 @@ def _timed(name: str, fn):
                 _totals[name] += time.perf_counter() - start
                 _counts[name] += 1
 
-    wrapper._step_timer = True
+    setattr(wrapper, "_step_timer", True)
     return wrapper
 
 
@@ -61,7 +61,8 @@ def install() -> None:
     import engine.extract.job as job
     import engine.records as records
 
-    client.ServerClient.generate = _timed_async("server round trip (generate)", client.ServerClient.generate)
+    setattr(client.ServerClient, "generate",
+            _timed_async("server round trip (generate)", client.ServerClient.generate))
     segments.open_capture = _timed("spool open + check headers and ids", segments.open_capture)
     segments.release = _timed("spool release (delete segments)", segments.release)
     job.write_record_stream = _timed("record write total", job.write_record_stream)
@@ -69,7 +70,8 @@ def install() -> None:
     records.write_all = _timed("  write into the page cache", records.write_all)
     # os.fsync is looked up at each call, so this times every fsync of the process (records, dirs, manifest).
     os.fsync = _timed("  fsync (all)", os.fsync)
-    job.Extractor._finish = _timed("finish (final check, token counts, complete.json)", job.Extractor._finish)
+    setattr(job.Extractor, "_finish",
+            _timed("finish (final check, token counts, complete.json)", job.Extractor._finish))
     commit.append_manifest_entries = _timed("manifest group commit (dir + manifest fsync)",
                                             commit.append_manifest_entries)
 

@@ -9,11 +9,16 @@ SpecForge cannot read these files as they are: its offline trainer reads torch.s
 DIR` (engine/specforge_export.py) writes those; tests/test_specforge_export.py loads them with
 SpecForge's own offline loader.
 
+Records are written by streaming (`write_record_stream`): a hand-built safetensors header, then the
+states chunk by chunk from wherever they are (the capture spool's files, or tensors), each chunk
+checked for NaN/inf, hashed and written while it is in the cache; the sha256 is of the bytes written.
+
 Layout of a run directory:
   run.json                 what produced it (model, H, layers, dataset, max_seq_len, sample count)
   records/<group>/<id>.safetensors   at most GROUP_SIZE files per directory
   manifest.jsonl           {"id", "index", "path", "tokens", "trainable", "bytes", "sha256"} per line,
-                           appended only after the record is durable (fsync + rename)
+                           appended only after the record is durable (fsync + rename + directory
+                           fsync); the extraction appends several at once (`append_manifest_entries`)
   bad.jsonl                samples that failed after retries, with the reason
   token_counts.safetensors counts of loss-masked target tokens (draft vocabulary)
 """
