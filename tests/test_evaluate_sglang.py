@@ -140,6 +140,7 @@ def test_sglang_backend_measures_every_setting_and_level_and_recommends(ws, tmp_
     assert not rec["levels"][1]["serve_speculative"] and rec["levels"][1]["flags"] == ""
     text = render_table(report)
     assert "recommendation (swept SGLang settings 1/1/2, 2/2/4, 3/1/4 as steps/top-k/draft tokens):" in text
+    assert "per concurrency (configured setting as steps/top-k/draft tokens; latency = median per request):" in text
     assert "concurrency 1: steps 3 top-k 1 draft tokens 4, " in text
     assert "concurrency 4: serve without speculation (best: steps 1 top-k 1 draft tokens 2, " in text
     assert "speculation stops paying at concurrency 4" in recommendation_lines(report)[-1]

@@ -628,7 +628,9 @@ def render_table(report: dict[str, Any]) -> str:
     if report.get("load"):
         lines.append(stats.load_text(report["load"]))
     if report.get("levels"):
-        lines += ["", "per concurrency (configured steps; latency = median per request):"] + level_lines(report)
+        which = ("configured setting as steps/top-k/draft tokens" if report.get("backend") == "sglang"
+                 else "configured steps")
+        lines += ["", f"per concurrency ({which}; latency = median per request):"] + level_lines(report)
     rec = recommendation_lines(report)
     if rec:
         lines += [""] + rec
