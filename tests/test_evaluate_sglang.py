@@ -23,7 +23,15 @@ import pytest
 from engine.evaluate import stats
 from engine.evaluate.prompts import EvalPrompt
 from engine.evaluate.report import SpecSetting, build_report, level_lines, recommendation_lines, render_table
-from engine.evaluate.sglang_eval import EvalServer, evaluate_sglang, plan_servers, settings_notes, sweep_settings
+from engine.evaluate.sglang_eval import (
+    SPEC_RUNNING_CAP,
+    EvalServer,
+    evaluate_sglang,
+    plan_servers,
+    running_cap_notes,
+    settings_notes,
+    sweep_settings,
+)
 from engine.jobs import JobManager
 
 STANDIN = Path(__file__).resolve().parent / "sglang_standin.py"
@@ -228,16 +236,21 @@ for argv in json.loads(sys.argv[1]):
     args.resolve_once()
     d = args.resolved_dict()
     out.append([d["speculative_algorithm"], d["speculative_num_steps"], d["speculative_eagle_topk"],
-                d["speculative_num_draft_tokens"], d["speculative_draft_model_path"]])
+                d["speculative_num_draft_tokens"], d["speculative_draft_model_path"], d["max_running_requests"]])
 print("RESOLVED " + json.dumps(out))
 '''
     stdout = run_with_sglang(sglang_importable, script, json.dumps([argv[3:] for _, _, argv in plan]), timeout=300)
     line = next((ln for ln in stdout.splitlines() if ln.startswith("RESOLVED ")), None)
     assert line, stdout[-3000:]
     resolved = json.loads(line[len("RESOLVED "):])
-    assert resolved[0][0] is None  # the plain server: no speculation
+    assert resolved[0][0] is None and resolved[0][5] != SPEC_RUNNING_CAP  # the plain server: no speculation
     for (_, setting, _), served in zip(plan[1:], resolved[1:]):
-        assert served == ["EAGLE3", setting.steps, setting.topk, setting.draft_tokens, str(export)], setting
+        assert served == ["EAGLE3", setting.steps, setting.topk, setting.draft_tokens, str(export),
+                          SPEC_RUNNING_CAP], setting  # and the running-request cap the report warns about
+    assert running_cap_notes(spec.argv, [1, 4, 16]) == []
+    (note,) = running_cap_notes(spec.argv, [1, 16, 64])
+    assert note.startswith(f"concurrency 64: SGLang runs at most {SPEC_RUNNING_CAP} requests at once")
+    assert running_cap_notes(spec.argv + ["--max-running-requests", "128"], [64]) == []
 
 
 def random_export(model_dir: Path, out: Path) -> Path:

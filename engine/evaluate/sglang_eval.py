@@ -497,4 +497,18 @@ async def evaluate_sglang(workspace: Any, export_dir: Path, prompts: list[EvalPr
                                     configured, ev.rounds, list(ev.concurrency), progress=progress,
                                     should_stop=should_stop, on_phase=on_phase)
     measured["notes"] += settings_notes(ev.spec_steps, ev.spec_topk, ev.spec_draft_tokens)
+    measured["notes"] += running_cap_notes(spec.argv, list(ev.concurrency))
     return measured
+
+
+SPEC_RUNNING_CAP = 48  # SGLang 0.5.23 (speculative_hook.py) resets max_running_requests to this when unset
+
+
+def running_cap_notes(argv: list[str], levels: list[int]) -> list[str]:
+    """Levels above the running-request cap SGLang gives speculative servers (not plain ones)."""
+    above = [n for n in levels if n > SPEC_RUNNING_CAP]
+    if not above or any(a.split("=", 1)[0] == "--max-running-requests" for a in argv):
+        return []
+    return [f"concurrency {', '.join(map(str, above))}: SGLang runs at most {SPEC_RUNNING_CAP} requests at once on a "
+            "speculative server unless --max-running-requests is given (the plain server has no such cap), so "
+            "there the rest queue; add --max-running-requests to server.extra_args to compare like with like"]
