@@ -31,11 +31,14 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from engine.evaluate.prompts import EvalPrompt
 from engine.evaluate.report import PromptResult, SpecSetting, Tally, first_mismatch, level_summary
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from engine.client import GenerateResult
 
 SPEC_FLAGS_WITH_VALUE = ("--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
                          "--speculative-eagle-topk", "--speculative-num-draft-tokens")
@@ -184,8 +187,6 @@ async def _metrics_text(server: EvalServer) -> str:
         return ""
 
 
-
-
 # ----------------------------------------------------------------------------- the measurement
 
 # kind, argv, env, url, api_key -> a server to start and stop (EvalServer; tests inject their own argv).
@@ -257,7 +258,7 @@ def schedule(levels: list[int], rounds: int) -> list[tuple[int, int]]:
     return order
 
 
-async def _generate(http: Any, where: str, input_ids: list[int], max_new_tokens: int) -> Any:
+async def _generate(http: Any, where: str, input_ids: list[int], max_new_tokens: int) -> GenerateResult:
     import httpx
 
     from engine.client import ServerReplyError, parse_generate_reply
@@ -290,13 +291,10 @@ async def _level_run(http: Any, where: str, ids: list[list[int]], clients: int, 
                 return
             started = time.perf_counter()
             reply = await _generate(http, where, ids[i], max_new_tokens)
-            results[i] = Reply(reply.output_ids, time.perf_counter() - started,
-                               parse_spec_meta(reply.meta, len(reply.output_ids)))
-            on_reply(reply_of(results[i]))
-
-    def reply_of(reply: Reply | None) -> Reply:
-        assert reply is not None
-        return reply
+            got = Reply(reply.output_ids, time.perf_counter() - started,
+                        parse_spec_meta(reply.meta, len(reply.output_ids)))
+            results[i] = got
+            on_reply(got)
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -323,6 +321,7 @@ async def _measure_server(server: EvalServer, kind: str, run: ServerRun, ids: li
         for r, n in schedule(levels, rounds):
             if should_stop():
                 break
+
             def reply_at(reply: Reply, r: int = r, n: int = n) -> None:
                 on_reply(r, n, reply)
 
