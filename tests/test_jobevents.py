@@ -6,19 +6,16 @@ import ast
 import dataclasses
 import json
 import math
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from engine.jobctx import STRICT_EVENTS_ENV, JobContext
 from engine.jobevents import (
     EVENT_TYPES,
-    JobEvent,
     MalformedEvent,
     Paused,
     Progress,
@@ -27,17 +24,10 @@ from engine.jobevents import (
     parse_lines,
 )
 from engine.jobs import JobManager
+from tests.helpers.events import sample
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_SOURCES = ("engine/extract", "engine/train", "engine/evaluate", "engine/dataset")
-SAMPLES = {"int": 7, "float": 1.5, "str": "text", "bool": True, "tuple": ("a", 1)}
-
-
-def sample(cls: type[JobEvent]) -> JobEvent:
-    """An event of `cls` with every named field set to a value of its type."""
-    values: dict[str, Any] = {f.name: SAMPLES[str(f.type).split(" ")[0].split("[")[0]]
-              for f in dataclasses.fields(cls) if f.name not in ("t", "extra")}
-    return cls(**values)
 
 
 def test_every_kind_written_by_a_real_job_through_the_context_parses_back_whole(tmp_path):
@@ -46,7 +36,7 @@ def test_every_kind_written_by_a_real_job_through_the_context_parses_back_whole(
     body = textwrap.dedent("""
         from engine.jobctx import JobContext
         from engine.jobevents import EVENT_TYPES
-        from tests.test_jobevents import sample
+        from tests.helpers.events import sample
         ctx = JobContext.from_env()
         for cls in EVENT_TYPES.values():
             ctx.emit(sample(cls))

@@ -6,7 +6,7 @@
 - training: records made in-process from a tiny target, and a workspace that trains on them.
 - drafters: a random EAGLE-3 drafter over a target, and the training forward chains must match.
 - processes: free ports, the local server's command line and health wait, a second lock holder.
-- jobs: real detached jobs in a known state.
+- jobs: real detached jobs in a known state; events: a job event of any kind, every field filled.
 - screen: what a Textual app shows as text, and waiting for it under Pilot.
 - scenes: deterministic console scenes for snapshots and screenshots.
 
