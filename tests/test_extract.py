@@ -104,6 +104,47 @@ def test_records_match_in_process_reference_and_stage_turns_green(server_ws, tin
     assert report.state.value == "passed", [r.to_dict() for r in report.results]
 
 
+def test_the_server_keeps_its_requests_while_records_are_written(server_ws, monkeypatch):
+    """Record writes are off the request path: while a record is being written (slowed down here),
+    the server still has all `extract.concurrency` requests, and never more. Each worker used to
+    write its record before it sent the next request, leaving the server a slot short per write."""
+    import threading
+
+    from engine.client import ServerClient
+
+    ws = server_ws
+    concurrency = ws.config.extract.concurrency
+    seen = {"in_flight": 0, "most": 0, "full_during_write": 0}
+    lock = threading.Lock()
+    real_generate, real_write = ServerClient.generate, Extractor._write
+
+    async def counted_generate(self, *args, **kwargs):
+        seen["in_flight"] += 1
+        seen["most"] = max(seen["most"], seen["in_flight"])
+        try:
+            return await real_generate(self, *args, **kwargs)
+        finally:
+            seen["in_flight"] -= 1
+
+    def slow_write(self, *args):
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # a slow disk: is the server's every slot taken meanwhile?
+            if seen["in_flight"] == concurrency:
+                with lock:
+                    seen["full_during_write"] += 1
+                break
+            time.sleep(0.005)
+        return real_write(self, *args)
+
+    monkeypatch.setattr(ServerClient, "generate", counted_generate)
+    monkeypatch.setattr(Extractor, "_write", slow_write)
+    assert asyncio.run(Extractor(ws).run()) == 0
+    assert seen["most"] == concurrency, seen
+    # Never, had the writing worker's slot stayed empty; the last writes find no sample left to send.
+    assert seen["full_during_write"] >= 2, seen
+    _assert_exactly_once(ws)
+
+
 def test_kill_9_then_resume_gives_every_sample_exactly_once(tiny_chat_model_dir, tmp_path):
     ws = _ws(tmp_path, tiny_chat_model_dir, n=24, **{"extract.concurrency": 1})
     manager = ServerManager(ws)

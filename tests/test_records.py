@@ -9,7 +9,6 @@ import errno
 import hashlib
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from engine.records import (
     write_record,
     write_record_stream,
 )
+from tests.faults.helpers import tmpfs
 
 H = 8
 LAYERS = [0, 1, 2]
@@ -170,23 +170,8 @@ def test_group_commit_writes_every_line_once_in_fewer_appends(tmp_path):
     assert len(lines) == 24 and groups == len(appends) < 24 and sum(appends) == 24, appends
 
 
-@contextlib.contextmanager
-def _small_disk(path, size: str):
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs: {proc.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def test_a_full_disk_fails_the_whole_group_and_leaves_the_manifest_as_it_was(tmp_path):
-    with _small_disk(tmp_path / "disk", "256k") as disk:
+    with tmpfs(tmp_path / "disk", "256k") as disk:
         run_dir = disk / "run"
         first = _entries(run_dir, 1)
         append_manifest_entries(run_dir, first)
