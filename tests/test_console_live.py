@@ -346,3 +346,35 @@ async def test_stop_training_warns_when_no_checkpoint_exists(ws):
             await pilot.press("n")
         finally:
             engine.jobs.stop_sync(job.id, grace=5)
+
+
+async def test_training_pane_shows_online_rates_and_window(ws):
+    """An online run's progress (from a real job writing through the job context) shows its epoch,
+    both rates with the slower side named, and the window's fill against its budget."""
+    drafter = ws.drafter_dir
+    drafter.mkdir(parents=True, exist_ok=True)
+    (drafter / "metrics.jsonl").write_text(json.dumps(train_line(10, time.time())) + "\n")
+    script = textwrap.dedent("""
+        import time
+        from engine.jobctx import JobContext
+        ctx = JobContext.from_env()
+        ctx.progress(10, 40, unit="steps", mode="online", epoch=1, epoch_step=3, steps_per_epoch=20,
+                     capture_tokens_per_s=900.0, train_tokens_per_s=4200.0, window_bytes=4_700_000,
+                     window_budget=5_000_000, window_peak=4_900_000)
+        time.sleep(30)
+    """)
+    engine = Engine(ws)
+    app = ConsoleApp(engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("5")
+        job = engine.jobs.start("train", [sys.executable, "-c", script])
+        pane = app.query_one(TrainingPane)
+        await wait_until(pilot, lambda: pane.online is not None, timeout=30)
+        await pilot.pause(0.1)
+        region = pane.content_region  # the pane's own columns: its lines wrap at its width
+        rows = screen_lines(app)[region.y:region.bottom]
+        text = " ".join(" ".join(row[region.x:region.right].split()) for row in rows)
+        assert "online · epoch 1 step 3/20" in text, text
+        assert "capture 900 vs trainer 4.2k tok/s (capture sets the pace)" in text, text
+        assert "window 4.5 MiB of 4.8 MiB (peak 4.7 MiB)" in text, text
+        engine.jobs.stop(job.id, grace=1)

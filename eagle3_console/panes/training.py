@@ -31,6 +31,7 @@ from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetri
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import esc, set_markup
 from eagle3_console.strip import RateTracker
+from engine.disk import fmt_bytes
 from engine.jobevents import Error, Finished, Progress, Started, Stopped
 from engine.jobs import ACTIVE_STATES
 
@@ -44,6 +45,7 @@ MARKER_GLYPHS = {"braille": "⣿", "•": "•", "x": "x", "+": "+"}
 SHOWN_POSITIONS = (0, 1, 3, 6)  # a few TTT positions; all of them would be unreadable
 MAX_POINTS = 400  # plotted points per line (older ones are thinned, not dropped from memory)
 ALL_CURVES_MIN_WIDTH = 120
+ONLINE_MODES = ("online", "hybrid")
 
 
 @dataclass
@@ -160,6 +162,7 @@ class TrainingPane(Pane):
         self.job_note = ""
         self.curve = "loss"
         self._plots_mounted = False
+        self.online: Progress | None = None  # the newest progress of an online/hybrid run
 
     def compose(self) -> ComposeResult:
         yield Static(
@@ -200,6 +203,10 @@ class TrainingPane(Pane):
                 event.total if isinstance(event, Progress) else None
             if total is not None and math.isfinite(total) and total > 0:
                 self.view.total_steps = int(total)
+            if isinstance(event, Progress) and event.mode in ONLINE_MODES:
+                self.online = event
+            elif isinstance(event, Started):
+                self.online = None
             if isinstance(event, Error):
                 self.job_note = f"error: {event.message or ''}"
             elif isinstance(event, Finished):
@@ -267,6 +274,8 @@ class TrainingPane(Pane):
         failure = str(v.failure.get("message") or f"failed at step {v.failure.get('step')}") if v.failure else ""
         if failure:
             lines.append(f"[$error]✘ {esc(failure)}[/]")
+        if self.online is not None:
+            lines.append(online_line(self.online))
         if self.job_note and self.job_note != f"error: {failure}":
             lines.append(f"[$text-muted]{esc(self.job_note)}[/]")
         set_markup(state, "\n".join(lines))
@@ -342,6 +351,26 @@ class TrainingPane(Pane):
         if self.best_ckpt and finite(self.best_ckpt.get("sim_al")) is not None:
             return float(self.best_ckpt["sim_al"])
         return self.view.best_al
+
+
+def online_line(p: Progress) -> str:
+    """Where an online/hybrid run stands: its epoch, which side is slower, how full the window is."""
+    epoch = f"{p.mode} · epoch {p.epoch if p.epoch is not None else '?'}"
+    if p.epoch_step is not None:
+        epoch += f" step {p.epoch_step}" + (f"/{p.steps_per_epoch}" if p.steps_per_epoch else "")
+    capture, train = finite(p.capture_tokens_per_s), finite(p.train_tokens_per_s)
+    rates = f"capture {fmt_count(capture)} vs trainer {fmt_count(train)} tok/s"
+    if capture and train:
+        slower = "capture" if capture < train else "trainer"
+        rates += f" ([$warning]{slower}[/] sets the pace)"
+    window = ""
+    if p.window_budget:
+        used = p.window_bytes or 0
+        colour = "$warning" if used > 0.9 * p.window_budget else "$text"
+        window = f"window [{colour}]{fmt_bytes(used)}[/] of {fmt_bytes(p.window_budget)}"
+        if p.window_peak:
+            window += f" (peak {fmt_bytes(p.window_peak)})"
+    return " · ".join(part for part in (epoch, rates, window) if part)
 
 
 def _sci(value) -> str:
