@@ -242,7 +242,8 @@ def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: by
 
 def write_record(run_dir: Path, index: int, sample_id: str, input_ids, loss_mask, aux_hidden_state,
                  hidden_state) -> RecordEntry:
-    """Write the record atomically and return its manifest entry (not yet appended)."""
+    """Write the record atomically (durable on return) and return its manifest entry (not yet
+    appended). RecordError if a state holds NaN or inf, as for a captured record."""
     tensors = record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state)
     tensors = {k: v.cpu() for k, v in tensors.items()}
     return write_record_stream(run_dir, index, sample_id, tensor_bytes(tensors["input_ids"]),
