@@ -288,3 +288,38 @@ def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online
     streamed = {json.loads(line)["id"] for line in (ws.drafter_dir / LEDGER).read_text().splitlines()}
     assert not streamed & kept_train  # a kept sample is captured once and read from disk by every epoch
     assert 0 < sampler.peak <= budget
+
+
+def test_online_training_rides_out_a_server_killed_mid_epoch(online_ws):
+    """kill -9 of the target server while the trainer waits on captures: the capture path's outage
+    handling restarts the server the engine owns, and training finishes within its window."""
+    from engine.jobs import JobManager
+    from engine.server.manager import ServerManager
+    from engine.train.window import window_budget, window_dir
+
+    ws, _ = online_ws
+    budget, root = window_budget(ws.config), window_dir(ws)
+    jobs, manager = JobManager(ws.jobs_dir), ServerManager(ws)
+    server = manager.job()
+    assert server is not None and server.pid
+    events: list[dict] = []
+    with Sampler(root) as sampler:
+        info = run_job(ws, jobs, events, until=lambda ev: any(e.get("type") == "progress" and e["done"] >= 3
+                                                               for e in ev))
+        os.kill(server.pid, signal.SIGKILL)
+        info = run_job_until_end(jobs, info.id, events)
+    assert info.state == "succeeded", jobs.tail(info.id, 30)
+    kinds = [e.get("type") for e in events]
+    assert "server_down" in kinds and "server_restart" in kinds and "server_up" in kinds, kinds
+    restarted = manager.job()
+    assert restarted is not None and restarted.pid != server.pid
+    assert (ws.drafter_dir / "export" / "config.json").is_file() and 0 < sampler.peak <= budget
+
+
+def run_job_until_end(jobs, job_id: str, sink: list[dict], timeout: float = 300.0):
+    """Wait for a job `run_job` left running; `sink` ends up holding all its events."""
+    deadline = time.monotonic() + timeout
+    while jobs.get(job_id).active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sink[:] = jobs.events(job_id, 0)[0]
+    return jobs.get(job_id)

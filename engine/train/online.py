@@ -294,7 +294,12 @@ class OnlineData(RecordData):
                 job = await jobs.get()
                 if job is None or self.stopping:
                     return
-                await self._capture(extractor, clients, load, job)
+                try:
+                    await self._capture(extractor, clients, load, job)
+                except Exception as exc:  # at once: the dispatcher and the waiting trainer stop on it
+                    self._fail(str(exc) if isinstance(exc, EngineError) else
+                               f"online capture stopped: {type(exc).__name__}: {exc}")
+                    return
 
         workers = [asyncio.create_task(worker()) for _ in range(jobs.maxsize)]
         try:
@@ -311,7 +316,12 @@ class OnlineData(RecordData):
                     if not await self._dispatch(jobs, entry, step, keep):
                         return
             for _ in workers:
-                await jobs.put(None)
+                while not self.stopping:
+                    try:
+                        jobs.put_nowait(None)
+                        break
+                    except asyncio.QueueFull:
+                        await asyncio.sleep(0.02)
             await asyncio.gather(*workers)
         finally:
             for task in workers:
@@ -329,8 +339,14 @@ class OnlineData(RecordData):
         if keep:
             self._keeping.add(entry.id)
         self._seq += 1
-        await jobs.put(_Job(self.samples[entry.id], step, entry.bytes, keep, self._seq))
-        return True
+        job = _Job(self.samples[entry.id], step, entry.bytes, keep, self._seq)
+        while not self.stopping:  # never blocks for good: the workers may have stopped on an error
+            try:
+                jobs.put_nowait(job)
+                return True
+            except asyncio.QueueFull:
+                await asyncio.sleep(0.02)
+        return False
 
     async def _capture(self, extractor, clients, load: list[int], job: _Job) -> None:
         from engine.extract.job import Outage, SampleFailed
