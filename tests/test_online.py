@@ -323,3 +323,18 @@ def run_job_until_end(jobs, job_id: str, sink: list[dict], timeout: float = 300.
         time.sleep(0.05)
     sink[:] = jobs.events(job_id, 0)[0]
     return jobs.get(job_id)
+
+
+def test_a_checkpoint_resumes_only_in_its_mode_family(tiny_chat_model_dir, tmp_path):
+    from engine.train.loop import Trainer, TrainError
+
+    ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir, **{"train.mode": "online"})
+    trainer = Trainer(ws, device="cpu")
+    trainer._check_data_mode({"mode": "hybrid", "epoch": 0, "next_index": 0})  # same samples, same order
+    for data in ({"mode": "offline"}, None):  # None: saved before train.mode existed, i.e. offline
+        with pytest.raises(TrainError, match="set train.mode back to 'offline'"):
+            trainer._check_data_mode(data)
+    ws.save_config(set_value(ws.config, "train.mode", "offline"))
+    ws.reload()
+    with pytest.raises(TrainError, match="train.run"):
+        Trainer(ws, device="cpu")._check_data_mode({"mode": "online"})

@@ -236,6 +236,16 @@ class Trainer:
         epoch, index = divmod(self.step, self.steps_per_epoch)
         return {"mode": self.cfg.mode, "epoch": epoch, "next_index": index * self.cfg.batch_size * self.world}
 
+    def _check_data_mode(self, data: dict | None) -> None:
+        """Offline and online runs split and order different sample sets (the extraction's records vs the
+        dataset's plan), so a checkpoint resumes only under the family it was trained in; online and hybrid
+        share one. A checkpoint from before train.mode existed was trained offline."""
+        was = (data or {}).get("mode", "offline")
+        if (was == "offline") != (self.cfg.mode == "offline"):
+            raise TrainError(f"the checkpoints in {self.out_dir} were trained with train.mode = {was!r}, console.toml "
+                             f"says {self.cfg.mode!r}: set train.mode back to {was!r} to resume them, or set train.run "
+                             "to a new name to start another drafter (this one is kept)")
+
     def _start_stream(self, limit: int) -> None:
         """Online: start capturing the batches of the steps ahead (the ones `_batch_entries` names);
         offline: note the records trained from."""
@@ -347,6 +357,7 @@ class Trainer:
         if state["config"] != self.model.cfg.to_dict():
             raise TrainError(f"checkpoint in {self.out_dir} was made for another drafter shape; "
                              "set train.run to a new name")
+        self._check_data_mode(state.get("data"))
         self.model.load_state_dict(state["model"], strict=False)
         self.optim.load_state_dict(state["optim"])
         self.sched.load_state_dict(state["sched"])

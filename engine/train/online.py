@@ -358,8 +358,8 @@ class OnlineData(RecordData):
             load[i] += 1
             try:
                 # rid x<index>-<tag>-a<n>: n unique per capture of this session, so two captures of one
-                # sample (consecutive epochs) never share spool segments
-                cap = await extractor._capture(clients[i][1], job.sample, job.seq * 1000 + attempt, self.hidden_size)
+                # sample (consecutive epochs) never share spool segments (max_retries <= 1000 < 10,000)
+                cap = await extractor._capture(clients[i][1], job.sample, job.seq * 10_000 + attempt, self.hidden_size)
                 await asyncio.to_thread(self._store, job, cap)
                 return
             except Outage:
