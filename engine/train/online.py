@@ -221,7 +221,8 @@ class OnlineData(RecordData):
         if self.mode != "hybrid":
             return
         largest = max(e.bytes for e in self.train_entries)
-        in_flight = (self.batch_size + self.cfg.extract.concurrency) * largest
+        requests = self.cfg.extract.concurrency * (1 + len(self.cfg.extract.endpoints))  # as the workers
+        in_flight = (self.batch_size + requests) * largest
         eval_bytes = sum(e.bytes for e in self.eval_entries)
         self.keep_budget = max(0, self.window.budget - eval_bytes - in_flight)
 
