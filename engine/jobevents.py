@@ -119,6 +119,8 @@ class Progress(JobEvent):
     concurrency: int | None = None
     round: int | None = None
     rounds: int | None = None
+    server: str | None = None  # SGLang backend: which server is measuring (plain | speculative)
+    setting: str | None = None  # SGLang backend: the speculative setting's label, or "no speculation"
     # dataset regeneration
     written: int | None = None
     skipped: int | None = None

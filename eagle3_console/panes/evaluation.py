@@ -71,15 +71,20 @@ def compact_level_lines(report: dict[str, Any]) -> list[str]:
     levels = report.get("levels") or []
     if not levels:
         return []
-    head = f"{'conc':>4} {'speedup [95%]':<19} {'verdict':<12} {'tok/s base→spec':<17} best"
-    lines = [head, "─" * 66]
+    sglang = report.get("backend") == "sglang"
+    best_head = "best steps/k/draft" if sglang else "best"  # fits 76 cells
+    head = f"{'conc':>4} {'speedup [95%]':<19} {'verdict':<12} {'tok/s base→spec':<17} {best_head}"
+    lines = [head, "─" * (74 if sglang else 66)]
     for level in levels:
         s = setting_of(level, level.get("configured")) or best_setting(level.get("settings") or []) or {}
         sp = s.get("speedup") or {}
         best = setting_of(level, level.get("best"))
         tps = s.get("base_tokens_per_s"), s.get("spec_tokens_per_s")
         rates = "—" if None in tps else f"{tps[0]:.0f}→{tps[1]:.0f}"
-        best_text = f"{best['spec_steps']} steps {best['speedup'].get('median') or 0:.2f}×" if best else "—"
+        # SGLang settings are keyed "steps/topk/draft" (the header says so); local ones by steps alone
+        sglang_key = best.get("key") if best and isinstance(best.get("key"), str) else None
+        best_label = sglang_key or f"{best['spec_steps']} steps" if best else ""
+        best_text = f"{best_label} {best['speedup'].get('median') or 0:.2f}×" if best else "—"
         lines.append(f"{level['concurrency']:>4} {stats.fmt_interval(sp):<19} {str(sp.get('verdict') or '—'):<12} "
                      f"{rates:<17} {best_text}")
     return lines
@@ -253,6 +258,8 @@ def progress_text(event: Progress) -> str:
     text = f"{done}/{total} {event.unit or 'prompts'}"
     if event.concurrency is not None:
         text += f" · concurrency {event.concurrency} round {event.round}/{event.rounds}"
+    if event.setting:
+        text += f" · {event.setting}"
     if event.acceptance_length is not None:
         text += f" · acceptance length so far {event.acceptance_length:.2f}"
     if event.speedup is not None:
