@@ -230,9 +230,8 @@ class OnlineData(RecordData):
         """Start capturing the batches of steps first_step..limit-1 (as `batch_entries` gives them)."""
         shutil.rmtree(self.stream_dir, ignore_errors=True)
         self.stream_dir.mkdir(parents=True, exist_ok=True)
-        plan = self.plan_fields()
-        self._event("window", **plan)
-        atomic.write_json(self.ws.drafter_dir / DATA_NOTE, {**plan, "t": time.time()})
+        # The plan went out with the trainer's `started` event; data.json keeps it beside the drafter.
+        atomic.write_json(self.ws.drafter_dir / DATA_NOTE, {**self.plan_fields(), "t": time.time()})
         self._thread = threading.Thread(target=self._thread_main, args=(batch_entries, first_step, limit),
                                         name="online-capture", daemon=True)
         self._thread.start()
