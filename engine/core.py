@@ -511,7 +511,7 @@ class Engine:
 
     def set_paused(self, job_id: str, paused: bool) -> None:
         """Ask a pausable job (extraction) to hold after its requests in flight, or to go on."""
-        from engine.extract.job import PAUSE_FILE
+        from engine.extract.layout import PAUSE_FILE
 
         self._require_driver("pause a job")
         flag = self.jobs.get(job_id).dir / PAUSE_FILE

@@ -19,14 +19,13 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.extract.layout import COMPLETE, RUN_LOCK
 from engine.names import UnsafeNameError, check_name
 from engine.records import RUN_META, RecordError, read_manifest, read_run_meta
 from engine.stagejobs import RECORD_READERS
 from engine.errors import EngineError
 from engine.jsonfile import read_json_object_or_none
 
-RUN_LOCK = ".extract.lock"  # engine.extract.job.RUN_LOCK, not imported for the same reason
-COMPLETE = "complete.json"  # engine.extract.job.COMPLETE (not imported: that module pulls asyncio job code)
 RELEASING = re.compile(r"^(?P<run>.+)\.releasing-[0-9a-f]{8}$")
 
 

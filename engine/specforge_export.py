@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine.extract.layout import COMPLETE, RUN_LOCK
 from engine import atomic
 from engine.names import UnsafeNameError, check_name
 from engine.records import RecordError, load_record, read_manifest, read_run_meta
@@ -48,8 +49,6 @@ FORMATS = ("specforge",)
 SPECFORGE_COMMIT = "a6b6b0230009d15ec2a97a57384e6f53f0f96946"  # the SpecForge source this layout was read from
 SPECFORGE_GROUP_SIZE = 2000  # prepare_hidden_states.py --file-group-size default
 SUMMARY = "eagle3_console_export.json"  # not *.ckpt: SpecForge's reader skips it
-COMPLETE = "complete.json"  # engine.extract.job.COMPLETE (not imported: that module pulls the job code)
-RUN_LOCK = ".extract.lock"  # engine.extract.job.RUN_LOCK
 _FILE_OVERHEAD = 4096  # pickle/zip framing per .ckpt, generous
 
 

@@ -12,7 +12,8 @@ START_FIX = "start the extraction: `eagle3-console run extract` or `s` on the Ex
 
 
 def check_extract(ctx: CheckContext) -> list[CheckResult]:
-    from engine.extract.job import BAD_FIX, COMPLETE, bad_summary
+    from engine.extract.job import BAD_FIX, bad_summary
+    from engine.extract.layout import COMPLETE
     from engine.extract.verify import check_run
     from engine.jobs import JobManager
     from engine.records import RecordError, read_run_meta

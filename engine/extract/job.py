@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.extract.layout import COMPLETE, PAUSE_FILE, RUN_LOCK, SPOOL_SESSIONS
 from engine import atomic
 from engine.disk import bytes_per_token, usage_for
 from engine.capture.stfile import tensor_bytes
@@ -41,10 +42,6 @@ from engine.records import (
 from engine.errors import EngineError
 
 GIB = 2**30
-COMPLETE = "complete.json"
-PAUSE_FILE = "pause.requested"
-SPOOL_SESSIONS = "spool_sessions.txt"  # rid tags of every session of this run, one a line
-RUN_LOCK = ".extract.lock"  # flock held by the one extraction writing this run
 SPACE_CHECK_S = 0.25  # how often free space and the pause file are looked at while requests go out
 _RID = re.compile(r"^x\d+-([0-9a-f]{6})-a\d+$")
 # An extraction fails (exit non-zero, `extract` red) when no sample is good, or when more than this

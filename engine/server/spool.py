@@ -31,7 +31,7 @@ class Swept:
 
 
 def session_tags(run_dir: Path) -> list[str]:
-    from engine.extract.job import SPOOL_SESSIONS
+    from engine.extract.layout import SPOOL_SESSIONS
 
     try:
         return (Path(run_dir) / SPOOL_SESSIONS).read_text(encoding="utf-8").split()
@@ -41,7 +41,7 @@ def session_tags(run_dir: Path) -> list[str]:
 
 def run_is_live(run_dir: Path) -> bool:
     """A live process holds the run's extraction lock."""
-    from engine.extract.job import RUN_LOCK
+    from engine.extract.layout import RUN_LOCK
     from engine.workspace import WorkspaceLock
 
     if not (Path(run_dir) / RUN_LOCK).exists():

@@ -273,7 +273,8 @@ class OnlineData(RecordData):
     async def _produce(self, batch_entries, first_step: int, limit: int) -> None:
         from engine.client import ServerClient
         from engine.extract.guard import ExtractionRefused
-        from engine.extract.job import SPOOL_SESSIONS, Extractor
+        from engine.extract.job import Extractor
+        from engine.extract.layout import SPOOL_SESSIONS
 
         extractor = Extractor(self.ws, self.ctx)
         extractor.run_dir = self.dir  # its spool sessions are recorded here, so the next start frees them
