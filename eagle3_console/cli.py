@@ -24,6 +24,7 @@ from eagle3_console.cliprint import (
 )
 from eagle3_console.tabs import TAB_IDS
 from engine.config import ConfigError
+from engine.jobs import JobState
 from engine.workspace import WorkspaceError
 
 GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-",
@@ -262,7 +263,7 @@ class RunPrinter:
             job = item.job
             print(f"\njob {job.id} {job.state} (exit {job.exit_code})")
             self.bar = ""
-            if job.state != "succeeded":
+            if job.state != JobState.SUCCEEDED:
                 for line in (job.last_log_lines or [])[-10:]:
                     print(f"  | {line}")
         elif isinstance(item, runner.StageNotGreen):

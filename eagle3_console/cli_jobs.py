@@ -11,6 +11,7 @@ import json
 import sys
 import time
 
+from engine.jobs import JobState
 from engine.stagejobs import DEFAULT_GRACE_S, STOP_GRACE_S, stop_grace
 
 
@@ -104,7 +105,7 @@ def cmd_jobs(args) -> int:
     progress = last_progress(final)
     print(f"job {final.id}: {final.state}" + ("" if final.exit_code is None else f", exit {final.exit_code}")
           + f" after {time.monotonic() - started:.1f} s{progress_text(progress)}")
-    if final.state not in ("stopped", "succeeded"):
+    if final.state not in (JobState.STOPPED, JobState.SUCCEEDED):
         for line in final.last_log_lines[-5:]:
             print(f"  | {line}", file=sys.stderr)
     return 0 if not final.active else 1

@@ -10,6 +10,8 @@ import math
 
 from textual.markup import escape
 
+from engine.jobs import JobState
+
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 
 
@@ -62,3 +64,13 @@ def set_markup(widget, markup: str) -> bool:
         return False
     widget.update(markup)
     return True
+
+
+# A job state's theme colour (a theme variable name without `$`), the same in every pane.
+JOB_STATE_COLOURS = {JobState.RUNNING: "success", JobState.STARTING: "warning", JobState.SUCCEEDED: "success",
+                     JobState.FAILED: "error", JobState.LOST: "error", JobState.STOPPED: "warning"}
+
+
+def job_state_colour(state: str) -> str:
+    """`$variable` for markup; muted for a state with no colour (unknown)."""
+    return "$" + JOB_STATE_COLOURS.get(state, "text-muted")  # type: ignore[call-overload]  # str enum: a str key finds it

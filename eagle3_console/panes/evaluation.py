@@ -23,8 +23,10 @@ from textual.widgets import Static
 from eagle3_console.keys import scroll_bindings
 from eagle3_console.messages import EvaluationReportChanged, JobEventsArrived, JobsChanged, ReloadEvaluation
 from eagle3_console.panes.base import Pane
+from eagle3_console.render import job_state_colour
 from engine.evaluate import stats
 from engine.jobevents import Error, Progress
+from engine.jobs import ACTIVE_STATES, JobState
 from engine.evaluate.report import (
     best_setting,
     fix_line,
@@ -157,7 +159,7 @@ class EvaluationPane(Pane):
     # -- the evaluate job (from the app's job list and the job's own events)
     @property
     def running_job_id(self) -> str | None:
-        return self.job_id if self.job_id and self.job_state in ("starting", "running") else None
+        return self.job_id if self.job_id and self.job_state in ACTIVE_STATES else None
 
     def on_jobs_changed(self, message: JobsChanged) -> None:
         newest = next((j for j in message.jobs if j.kind == "evaluate"), None)
@@ -179,10 +181,10 @@ class EvaluationPane(Pane):
 
     def _render_job(self) -> None:
         widget = self.query_one("#evaluation-job", Static)
-        if not self.job_id or (self.job_state == "succeeded" and self._report):
+        if not self.job_id or (self.job_state == JobState.SUCCEEDED and self._report):
             widget.display = False
             return
-        colour = {"running": "$success", "starting": "$warning", "failed": "$error"}.get(self.job_state, "$text-muted")
+        colour = job_state_colour(self.job_state)
         from eagle3_console.render import esc
 
         text = f"[{colour}]● [b]{esc(self.job_state)}[/b][/] · job {esc(self.job_id)}"

@@ -24,7 +24,7 @@ from eagle3_console.keys import scroll_bindings
 from eagle3_console.messages import DiskChanged, JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
-from engine.jobs import ACTIVE_STATES
+from engine.jobs import ACTIVE_STATES, JobState
 
 HISTORY = 120  # rate samples kept for the sparklines (one per progress event, ~1/s)
 USER_PAUSE = "paused by the user"  # the reason engine.extract.job gives for the pause flag
@@ -305,7 +305,7 @@ class ExtractionPane(Pane):
             self.query_one("#extract-warnings", Static).display = False
             return
         phase = v.phase or v.job_state or "starting"
-        if v.job_state in ("failed", "lost") and phase in ("starting", "planning", "running", "paused"):
+        if v.job_state in (JobState.FAILED, JobState.LOST) and phase in ("starting", "planning", "running", "paused"):
             phase = v.job_state  # it ended without saying so in its events: not "planning" any more
         colour = PHASE_COLOURS.get(phase, "$text-muted")
         job = f"job {esc(v.job_id)}" + (f" · {esc(v.job_state)}" if v.job_state and v.job_state != phase else "")

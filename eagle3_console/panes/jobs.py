@@ -25,13 +25,11 @@ from eagle3_console.fmt import finite, fmt_duration
 from eagle3_console.keys import nav_bindings, scroll_bindings
 from eagle3_console.messages import FollowLog, JobEventsArrived, JobLogChanged, JobsChanged
 from eagle3_console.panes.base import Pane
-from eagle3_console.render import clip, esc, set_markup
+from eagle3_console.render import JOB_STATE_COLOURS, clip, esc, set_markup
 from engine.jobevents import Progress
 
 EMPTY_TEXT = "no jobs yet: start one with [b]s[/b] on a stage (Pipeline) or its pane"
 LOG_LINES = 400  # lines of the selected job's log kept on screen
-STATE_COLOURS = {"running": "success", "starting": "warning", "succeeded": "success", "failed": "error",
-                 "lost": "error", "stopped": "warning"}
 
 
 def job_age(job, now: float | None = None) -> str:
@@ -181,7 +179,7 @@ class JobsPane(Pane):
         return cols
 
     def _row(self, job) -> list:
-        colour = self.app.theme_variables.get(STATE_COLOURS.get(job.state, "text-muted"), "")
+        colour = self.app.theme_variables.get(JOB_STATE_COLOURS.get(job.state, "text-muted"), "")
         state = job.state + ("" if job.exit_code is None or job.exit_code == 0 else f" {job.exit_code}")
         cells = {"state": Text(state, style=colour), "job": job.id, "stage": job.kind,
                  "age": job_age(job, self.clock()), "progress": progress_cell(self.progress.get(job.id), job.state),

@@ -29,7 +29,7 @@ from textual.widgets import Static
 from eagle3_console.fmt import finite, fmt_count, fmt_duration, fmt_num
 from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetricsArrived
 from eagle3_console.panes.base import Pane
-from eagle3_console.render import esc, set_markup
+from eagle3_console.render import esc, job_state_colour, set_markup
 from eagle3_console.strip import RateTracker
 from engine.disk import fmt_bytes
 from engine.jobevents import Error, Finished, Progress, Started, Stopped
@@ -260,8 +260,7 @@ class TrainingPane(Pane):
             self._mount_plots()
         job = ""
         if self.job_id:
-            colour = {"running": "$success", "starting": "$warning", "succeeded": "$success",
-                      "failed": "$error"}.get(self.job_state, "$text-muted")
+            colour = job_state_colour(self.job_state)
             job = f"[{colour}]● [b]{esc(self.job_state)}[/b][/] · job {esc(self.job_id)}"
         if not has_data:
             if job:
