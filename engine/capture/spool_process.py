@@ -307,7 +307,7 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
             conn.send(None)
         except OSError:
             pass
-    arena = None  # release the buffer's export before closing the mapping
+    del arena  # release the buffer's export before closing the mapping
     try:
         shm.close()
     except BufferError:

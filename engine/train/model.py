@@ -154,6 +154,8 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.d2t: torch.Tensor  # buffers (saved with the weights), declared for the type checker
+        self.t2d: torch.Tensor
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
@@ -180,7 +182,9 @@ class Eagle3Drafter(nn.Module):
     @torch.no_grad()
     def draft_logits(self, input_ids, aux, steps: int = 1, backend: str = "sdpa") -> list[torch.Tensor]:
         """Logits of the first `steps` TTT steps (for tests and evaluation)."""
-        hidden, cache, out = self.project(aux), [], []
+        hidden = self.project(aux)
+        cache: list = []
+        out: list[torch.Tensor] = []
         for k in range(steps):
             ids = shift_left(input_ids, k + 1)
             hidden = self.step(ids, hidden, k, cache, backend)
