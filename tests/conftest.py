@@ -7,11 +7,16 @@ Other helpers may append fixtures below; helpers that test modules import live i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.models import CHAT_TEMPLATE, build_tiny_model
+
+# Every job the tests run (and the jobs they start) writes its events in strict mode: an event kind or
+# field outside the contract (engine.jobevents) fails the job instead of drifting from its readers.
+os.environ.setdefault("EAGLE3_STRICT_JOB_EVENTS", "1")
 
 
 @pytest.fixture(scope="session")
