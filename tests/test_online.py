@@ -278,10 +278,10 @@ def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online
         info = run_job(ws, jobs, second)
         assert info.state == "succeeded", jobs.tail(info.id, 30)
     kept, _ = read_manifest(root / "kept")
-    from engine.train.data import _is_eval
+    from engine.train.data import is_eval
 
     fraction = ws.config.train.eval_fraction
-    kept_train = {i for i in kept if not _is_eval(i, fraction)}
+    kept_train = {i for i in kept if not is_eval(i, fraction)}
     assert kept_train, "hybrid kept no training sample"
     resumed_plan = next(e for e in second if e.get("type") == "started")
     assert resumed_plan["window_kept"] > 0  # the second run found the first run's kept records

@@ -164,13 +164,13 @@ class Extractor:
         else:
             write_run_meta(self.run_dir, {**meta, "created_at": time.time()})
 
-    def _endpoints(self) -> list[str]:
+    def endpoints(self) -> list[str]:
         from engine.server.manager import ServerManager
 
         primary = ServerManager(self.ws).record().get("url") or f"http://{self.cfg.server.host}:{self.cfg.server.port}"
         return [primary] + [u for u in self.cfg.extract.endpoints if u != primary]
 
-    async def _check_server(self) -> None:
+    async def check_server(self) -> None:
         """Refuse to start against a server that captures what console.toml does not describe
         (started before console.toml changed: another spool, layers or model, or no capture):
         every sample would come out bad. One that only moved (server.port) is used where it runs,
@@ -190,7 +190,7 @@ class Extractor:
         except ConfigError:
             spec = None
         found: list = []
-        for url in self._endpoints():
+        for url in self.endpoints():
             client = ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=5)
             try:
                 info = await client.server_info()
@@ -248,7 +248,7 @@ class Extractor:
         return await asyncio.get_running_loop().run_in_executor(self._writes, fn, *args)
 
     # -- spool of earlier sessions
-    def _release_stale_spool(self) -> int:
+    def release_stale_spool(self) -> int:
         """Free the captures of earlier sessions of this run: a job killed with requests in flight
         leaves their segments in the spool (often tmpfs) for good. Only our own sessions' rids are
         touched, since several workspaces may share one spool directory."""
@@ -348,7 +348,7 @@ class Extractor:
             raise SampleFailed(problem)
         return rid
 
-    async def _capture(self, client, sample: PlannedSample, attempt: int, hidden: int):
+    async def capture(self, client, sample: PlannedSample, attempt: int, hidden: int):
         """The sample's capture as tensors (`AssembledCapture`), its spool released: for callers that
         use the states in memory rather than as a record."""
         from engine.capture.segments import SegmentError, assemble, release
@@ -389,7 +389,7 @@ class Extractor:
         finally:
             release(self.spool, rid)
 
-    async def _server_back(self, url: str, primary: bool) -> None:
+    async def wait_for_server(self, url: str, primary: bool) -> None:
         """Wait until the endpoint answers; restart the engine-owned server if it crashed."""
         from engine.client import ServerClient
         from engine.server.manager import ServerManager, ServerStartError
@@ -435,7 +435,7 @@ class Extractor:
                 # for a record to reach the disk before it gets the next request.
                 entry = await self._in_writer(self._write, sample, rid, hidden)
             except Outage:
-                await self._server_back(clients[i][0], primary=(i == 0))
+                await self.wait_for_server(clients[i][0], primary=(i == 0))
                 continue
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -509,7 +509,7 @@ class Extractor:
     async def run(self) -> int:
         target = self._target()
         layers = list(target.capture_layers)
-        await self._check_server()
+        await self.check_server()
         self.event("planning", dataset=self.cfg.dataset.path)
         plan = await asyncio.to_thread(build_plan, self.ws, self.limit)
         if not plan.samples:
@@ -532,7 +532,7 @@ class Extractor:
         swept = await asyncio.to_thread(atomic.remove_dead_temp_files, self.run_dir, [".", "records/*"])
         if swept:
             self.event("swept_temp", count=swept)
-        await asyncio.to_thread(self._release_stale_spool)
+        await asyncio.to_thread(self.release_stale_spool)
         atomic.append_line(self.run_dir / SPOOL_SESSIONS, self.tag)
 
         check = await asyncio.to_thread(check_run, self.run_dir, hidden)
@@ -555,7 +555,7 @@ class Extractor:
                                  tokens=sum(e.tokens for e in good), bytes=sum(e.bytes for e in good))
 
         clients = [(url, ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=600))
-                   for url in self._endpoints()]
+                   for url in self.endpoints()]
         load = [0] * len(clients)
         queue: asyncio.Queue[PlannedSample] = asyncio.Queue()
         for sample in todo:
@@ -610,7 +610,7 @@ class Extractor:
         # Sizes only: this session hashed its records as it wrote them, and the start of the
         # session verified the earlier ones (re-reading gigabytes here would prove nothing new).
         final = check_run(self.run_dir, hidden, deep=False, recent=0)
-        self._release_stale_spool()  # a killed session's late captures, written after our start
+        self.release_stale_spool()  # a killed session's late captures, written after our start
         covered = set(final.good)
         missing = [s.id for s in plan.samples if s.id not in covered and s.id not in self.bad]
         if missing:

@@ -61,7 +61,8 @@ class Batch:
         return Batch(*(t.pin_memory() for t in self.tensors()))
 
 
-def _is_eval(sample_id: str, fraction: float) -> bool:
+def is_eval(sample_id: str, fraction: float) -> bool:
+    """Whether the sample is held out for evaluation: a hash of its id, so the split never moves."""
     digest = hashlib.sha256(sample_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
@@ -84,7 +85,7 @@ class RecordData:
                                  f"({len(entries)} entries{'; ' + problems[0] if problems else ''}): "
                                  "run the extraction first (`eagle3-console run extract`)")
         self.hidden_size = hidden_size
-        self.eval_entries = [e for e in usable if _is_eval(e.id, eval_fraction)] if eval_fraction > 0 else []
+        self.eval_entries = [e for e in usable if is_eval(e.id, eval_fraction)] if eval_fraction > 0 else []
         if eval_fraction > 0 and not self.eval_entries and len(usable) >= 2:
             self.eval_entries = [usable[-1]]
         if len(self.eval_entries) == len(usable):

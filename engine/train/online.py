@@ -58,7 +58,7 @@ from engine.records import (
     write_record,
     write_run_meta,
 )
-from engine.train.data import RecordData, TrainDataError, _is_eval
+from engine.train.data import RecordData, TrainDataError, is_eval
 from engine.train.window import (
     Window,
     WindowClosed,
@@ -147,7 +147,7 @@ class OnlineData(RecordData):
 
     # ------------------------------------------------------------------ the split (as RecordData's)
     def _split(self, usable: list[RecordEntry], fraction: float) -> None:
-        held = [e for e in usable if _is_eval(e.id, fraction)] if fraction > 0 else []
+        held = [e for e in usable if is_eval(e.id, fraction)] if fraction > 0 else []
         if fraction > 0 and not held and len(usable) >= 2:
             held = [usable[-1]]
         if len(held) == len(usable):
@@ -279,14 +279,14 @@ class OnlineData(RecordData):
         extractor = Extractor(self.ws, self.ctx)
         extractor.run_dir = self.dir  # its spool sessions are recorded here, so the next start frees them
         try:
-            await extractor._check_server()
+            await extractor.check_server()
         except ExtractionRefused as exc:
             raise OnlineError(str(exc).replace("start the extraction again", "start training again")) from None
         extractor.spool.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(extractor._release_stale_spool)
+        await asyncio.to_thread(extractor.release_stale_spool)
         atomic.append_line(self.dir / SPOOL_SESSIONS, extractor.tag)
         clients = [(url, ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=600))
-                   for url in extractor._endpoints()]
+                   for url in extractor.endpoints()]
         load = [0] * len(clients)
         jobs: asyncio.Queue[_Job | None] = asyncio.Queue(maxsize=len(clients) * self.cfg.extract.concurrency)
 
@@ -360,11 +360,11 @@ class OnlineData(RecordData):
             try:
                 # rid x<index>-<tag>-a<n>: n unique per capture of this session, so two captures of one
                 # sample (consecutive epochs) never share spool segments (max_retries <= 1000 < 10,000)
-                cap = await extractor._capture(clients[i][1], job.sample, job.seq * 10_000 + attempt, self.hidden_size)
+                cap = await extractor.capture(clients[i][1], job.sample, job.seq * 10_000 + attempt, self.hidden_size)
                 await asyncio.to_thread(self._store, job, cap)
                 return
             except Outage:
-                await extractor._server_back(clients[i][0], primary=(i == 0))
+                await extractor.wait_for_server(clients[i][0], primary=(i == 0))
                 await asyncio.sleep(0.5)  # it returns at once when a stop is asked: no busy loop
             except (SampleFailed, RecordError) as exc:
                 attempt += 1

@@ -221,7 +221,7 @@ def test_an_extraction_whose_samples_are_all_bad_fails_and_the_stage_is_red(serv
     ws, _, root = server
     ws = _change(ws, "extract.spool_dir", str(root / "spoolB"))
     ws = _change(ws, "extract.run", "allbad")
-    monkeypatch.setattr(extract_job.Extractor, "_check_server", lambda self: asyncio.sleep(0), raising=False)
+    monkeypatch.setattr(extract_job.Extractor, "check_server", lambda self: asyncio.sleep(0))
     code = extract_job.main(["--workspace", str(ws.root)])
     out = capsys.readouterr().out
     assert code != 0, out[-2000:]
