@@ -1,6 +1,6 @@
 """The key footer, rebuilt once per burst of binding changes instead of once per change.
 
-Textual's Footer recomposes (about 8 ms at 80 columns) on every `bindings_updated` signal,
+Textual's Footer recomposes (every key widget rebuilt) on every `bindings_updated` signal,
 and start-up alone sends six (focus, tab activation, pane switch...); a tab switch sends
 several more. Only the last state matters, so one pending rebuild serves them all: it reads
 the bindings when it runs, after every change queued before it.

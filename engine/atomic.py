@@ -54,7 +54,8 @@ def _discard(tmp: str | os.PathLike) -> None:
 
 def write_via_path(path: str | os.PathLike, writer: Callable[[str], None], mode: int = 0o644) -> None:
     """Atomic write for libraries that want a file *name* (safetensors' save_file writes
-    straight from tensor memory, ~10x faster than building bytes in Python first)."""
+    straight from tensor memory, with no bytes object built in Python first: bench/RESULTS.md,
+    Capture overhead)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

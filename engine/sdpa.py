@@ -11,8 +11,9 @@ def avoid_cudnn_attention(device: str) -> bool:
     """On CUDA, turn cuDNN's SDPA backend off for this process (flash / memory-efficient / math remain).
 
     Decoding changes the key length at every step; cuDNN attention builds an execution plan per new
-    shape, so a masked verify or draft-extend step paid a plan build each time (H200, one run: 71.5 vs
-    9.1 ms per verify step, bench/decode_speed.py). Called by the evaluation job and the local server.
+    shape, so a masked verify or draft-extend step paid a plan build each time, several times the step
+    itself (bench/decode_speed.py; bench/RESULTS.md, End to end on the H200). Called by the evaluation
+    job and the local server.
     Returns whether cuDNN attention is now off."""
     import torch
 

@@ -171,8 +171,8 @@ class TrainingPane(Pane):
             id="training-state",
         )
         yield Static("", id="training-figures")
-        # The plots (plotext) are mounted with the first metrics: importing plotext costs ~70 ms
-        # of start-up, and most consoles open before training has begun.
+        # The plots (plotext) are mounted with the first metrics: importing plotext slows start-up
+        # noticeably, and most consoles open before training has begun.
         yield Horizontal(id="training-plots")
 
     def on_mount(self) -> None:

@@ -3,8 +3,8 @@
 Why a process: in the server process every segment write hands the GIL away and takes it back
 around each system call (mkdir, open, write, rename), and each hand-off is taken from the thread
 that launches the model's kernels and from the HTTP loop. On a small, fast target that tax sets
-the capture's pace: a writer *thread* writing 1.9 GB/s costs a Python-bound thread beside it
-~20 % of its throughput, a writer *process* ~4 % (`bench/spool_gil.py`, bench/RESULTS.md).
+the capture's pace: a writer *thread* takes a Python-bound thread beside it far more of its
+throughput than a writer *process* does (`bench/spool_gil.py`; bench/RESULTS.md, Capture overhead).
 
 Here the server pays per *batch*, not per segment: one copy into a shared-memory slot (a large
 torch copy, outside the GIL), one small message down a pipe, one reply. The child writes the

@@ -16,8 +16,8 @@ Everything is generated offline, on CPU, deterministically, in about a minute:
   layers, hidden size 128, 4 attention heads (2 KV heads, head dim 32), SwiGLU MLP 384,
   untied embeddings, 2048 positions, ~3.4 M parameters. Default EAGLE-3 capture layers
   [1, L//2-1, L-4] = [1, 7, 12] (SGLang layers_to_capture [2, 8, 13]). 16 layers rather than 8 so one
-  drafter layer is cheap next to a target step, as it is for real targets: with 8, decoding on
-  the lean runner left speculation at about 1.0x on a CPU; with 16 the demo measures 1.25x.
+  drafter layer is cheap next to a target step, as it is for real targets: with 8, a drafter step
+  cost too much of a target step on the lean runner for speculation to pay on a CPU.
 
 * **Tokenizer**: byte-level BPE trained on the corpus (~950 tokens: the corpus is small,
   so every word of it ends up as one token; digits are split one per token). Special tokens `<|pad|>`,

@@ -48,7 +48,7 @@ CHAT_TEMPLATE = (
 
 VOCAB_SIZE = 1024
 NUM_LAYERS = 16  # capture layers [1, 7, 12]; deep enough that one drafter layer is cheap next to a
-# target step: with 8 layers the lean decode runner left speculation at ~1.0x on a CPU, with 16 at 1.25x
+# target step (with 8, speculation did not pay on a CPU: engine/demo/__init__.py)
 HIDDEN_SIZE = 128
 INTERMEDIATE_SIZE = 384
 NUM_HEADS = 4
@@ -62,7 +62,7 @@ PEAK_LR = 3e-3
 WARMUP_STEPS = 20
 # Bitwise-identical weights need a fixed thread count (CPU matmul reductions are split
 # by thread). One thread: the same bytes whatever the core count, and no OpenMP spinning
-# on a busy machine, where two threads measured 2-6x slower than one (idle: 1.6x faster).
+# on a busy machine, where two threads that wait on each other run slower than one.
 TRAIN_THREADS = 1
 
 

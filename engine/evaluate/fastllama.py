@@ -1,7 +1,8 @@
 """A lean decode runner for Llama-architecture transformers targets (evaluation only).
 
-transformers' forward spends ~15 ms a token on Python and kernel-launch overhead (mask building,
-cache classes, output capture) for a small target, which hides any speculative-decoding gain.
+transformers' forward spends most of a small target's time per token on Python and kernel-launch
+overhead (mask building, cache classes, output capture), which hides any speculative-decoding gain
+(bench/RESULTS.md, End to end on the H200).
 This runner computes the same function with a fraction of the launches:
 
 - weights come from the loaded HF model; q/k/v and gate/up are fused into one matmul each. The

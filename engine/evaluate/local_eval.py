@@ -210,8 +210,8 @@ def _wave(setup: LocalSetup, prompts, max_new_tokens: int, steps: int | None) ->
 def choose_cpu_threads(device: str) -> str | None:
     """On a CPU, run torch on the cores that are idle now (at least 1), unless OMP_NUM_THREADS says
     otherwise: with more threads than free cores, torch's threads spin-wait on each other and a step
-    takes 5-10x longer at random (on the 2-core dev box, two CPU hogs made the demo's evaluation take
-    141 s at 2 threads and 26 s at 1, with a far wider interval). Both sides run with the same count.
+    takes several times longer at random, which widens the speedup's interval. Both sides run with
+    the same count.
     Returns a note for the report, or None (GPU, or left as set)."""
     import os
 

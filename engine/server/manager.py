@@ -265,7 +265,8 @@ class ServerManager:
     # -- polling
     async def poll(self, *, reuse_client: bool = False) -> ServerStatus:
         """The server's status now. `reuse_client`: keep one HTTP client between calls (the
-        watcher: creating one costs ~30 ms of CPU, every second); close it with close_poll_client().
+        watcher: creating one builds an SSL context, every second: bench/RESULTS.md, Console overhead);
+        close it with close_poll_client().
 
         A stopped or crashed server whose record and job files have not changed since the last
         poll is not read again (the console polls every second, mostly with no server)."""
