@@ -6,7 +6,8 @@ Two implementations of the head loss (final norm -> lm_head -> soft cross-entrop
               and the gradients of h, norm.weight and lm_head.weight; backward only scales them.
               The [rows, draft_vocab] logits are built once, and rows outside the accuracy mask
               (prompt tokens, padding) are skipped. compile_head=True runs the softmax part of each
-              chunk through torch.compile (fewer full passes over [rows, vocab]; on by default on CUDA: loop.compile_head_wanted).
+              chunk through torch.compile (fewer full passes over [rows, vocab]; on by default on
+              CUDA: loop.compile_head_wanted).
   checkpoint  the reference: autograd through `_chunk_stats`, recomputed in backward by
               torch.utils.checkpoint (logits built twice).
 """
