@@ -28,7 +28,7 @@ def _tied(model_dir: Path) -> bool:
         return False
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
+def tensor_files(model_dir: Path) -> dict[str, Path]:
     """tensor name -> file holding it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -49,7 +49,7 @@ def load_lm_head(model_dir: Path | str):
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
-    files = _tensor_files(model_dir)
+    files = tensor_files(model_dir)
     candidates = list(HEAD_NAMES) + (list(EMBED_NAMES) if _tied(model_dir) else [])
     for name in candidates:
         if name in files:

@@ -69,8 +69,8 @@ class RecordEntry:
 
 
 def all_finite(tensor) -> bool:
-    """No NaN or inf anywhere. max/min propagate NaN and reach any inf: two reductions without a
-    [N] bool tensor, about 10x faster than isfinite().all() on a 24 MB record (measured on the dev VM)."""
+    """No NaN or inf anywhere. max/min propagate NaN and reach any inf: two reductions, without the
+    record-sized [N] bool tensor isfinite().all() builds first (bench/RESULTS.md, Extraction)."""
     import torch
 
     if tensor.numel() == 0:
@@ -83,7 +83,8 @@ def record_relpath(index: int, sample_id: str) -> str:
     return f"records/{index // GROUP_SIZE:05d}/{sample_id}.safetensors"
 
 
-def _sha256(data: bytes) -> str:
+def sha256_of(data: bytes) -> str:
+    """Hex SHA-256 of `data` (records, checkpoints and exports sign their files with it)."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -251,7 +252,8 @@ def write_record(run_dir: Path, index: int, sample_id: str, input_ids, loss_mask
                                [tensor_bytes(tensors["hidden_state"])], int(tensors["hidden_state"].shape[1]))
 
 
-def _sha256_file(path: str) -> tuple[str, int]:
+def sha256_and_size(path: str) -> tuple[str, int]:
+    """(hex SHA-256, bytes) of a file, read in 4 MiB blocks so a large file never sits in memory."""
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as handle:
@@ -341,7 +343,7 @@ def verify_record(run_dir: Path, entry: RecordEntry, hidden_size: int | None = N
         return f"{entry.path}: unreadable ({exc.strerror})"
     if len(data) != entry.bytes:
         return f"{entry.path}: {len(data)} bytes, manifest says {entry.bytes} (truncated?)"
-    if deep and _sha256(data) != entry.sha256:
+    if deep and sha256_of(data) != entry.sha256:
         return f"{entry.path}: checksum mismatch (corrupted)"
     if hidden_size is not None:
         try:
@@ -370,7 +372,7 @@ def load_record(run_dir: Path, entry: RecordEntry, verify: bool = True) -> dict[
     """Load a record's tensors; with `verify`, a checksum mismatch raises instead of training on bad data."""
     path = Path(run_dir) / entry.path
     data = path.read_bytes()
-    if verify and (len(data) != entry.bytes or _sha256(data) != entry.sha256):
+    if verify and (len(data) != entry.bytes or sha256_of(data) != entry.sha256):
         raise RecordError(f"{entry.path}: checksum mismatch; re-run extraction to redo this sample")
     return load_record_bytes(data)
 

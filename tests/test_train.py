@@ -260,7 +260,7 @@ def test_resume_refuses_a_damaged_checkpoint_and_falls_back_to_an_intact_one(hid
     assert ckpt.latest(ws.drafter_dir)["step"] == 6
     for name in ckpt.candidates(ws.drafter_dir):  # every checkpoint carries its sha256
         manifest = json.loads((root / name / ckpt.MANIFEST).read_text())
-        assert manifest["sha256"] == records._sha256((root / name / ckpt.STATE).read_bytes())
+        assert manifest["sha256"] == records.sha256_of((root / name / ckpt.STATE).read_bytes())
     damaged = root / "step-00000006" / ckpt.STATE
     _overwrite(damaged, (damaged.stat().st_size // 2) & ~4095, b"\0" * 4096)
     with pytest.raises(ckpt.CheckpointError, match="sha256 .* is not the"):

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine import atomic
-from engine.records import _sha256, _sha256_file, all_finite
+from engine.records import all_finite, sha256_and_size, sha256_of
 from engine.errors import EngineError
 
 CKPT_DIR = "checkpoints"
@@ -97,7 +97,7 @@ def save(drafter_dir: Path, step: int, state: dict) -> Path:
     # An older manifest.json of this step stays until the new one replaces it: a save killed in
     # between leaves a state.pt that does not match it (refused), never one that reads as unsigned.
     atomic.write_bytes(path / STATE, data)
-    atomic.write_json(path / MANIFEST, {"file": STATE, "sha256": _sha256(data), "bytes": len(data), "step": step})
+    atomic.write_json(path / MANIFEST, {"file": STATE, "sha256": sha256_of(data), "bytes": len(data), "step": step})
     atomic.write_json(root / LATEST, {"step": step, "path": path.name})
     return path
 
@@ -118,7 +118,7 @@ def verify(drafter_dir: Path, name: str) -> tuple[str | None, bool]:
     except (OSError, ValueError) as exc:
         return f"{directory / MANIFEST} unreadable ({exc}): nothing vouches for {path}", False
     try:
-        digest, size = _sha256_file(str(path))
+        digest, size = sha256_and_size(str(path))
     except FileNotFoundError:
         return f"{path} missing", False
     except OSError as exc:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from engine import atomic
-from engine.records import _sha256, _sha256_file, all_finite
+from engine.records import all_finite, sha256_and_size, sha256_of
 from engine.train.model import DraftConfig, Eagle3Drafter
 from engine.errors import EngineError
 
@@ -115,7 +115,7 @@ def describe_nonfinite(counts: dict[str, tuple[int, int]]) -> str:
 
 
 def _sha256_bytes(data: bytes) -> dict:
-    return {"sha256": _sha256(data), "bytes": len(data)}
+    return {"sha256": sha256_of(data), "bytes": len(data)}
 
 
 def export_drafter(model: Eagle3Drafter, out_dir: Path) -> Path:
@@ -190,7 +190,7 @@ def _scan_weights(path: Path) -> tuple[str, int, dict[str, tuple[int, int]], int
     key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key in _SCANS:
         return _SCANS[key]
-    digest, size = _sha256_file(str(path))
+    digest, size = sha256_and_size(str(path))
     counts, values = {}, 0
     with safe_open(str(path), framework="pt") as handle:
         for name in handle.keys():
@@ -244,7 +244,7 @@ def _integrity(out_dir: Path) -> ExportVerdict:
     mismatched = False
     if manifest is not None:
         signed = manifest["files"]
-        facts = {WEIGHTS: (digest, size), CONFIG: _sha256_file(str(out_dir / CONFIG))}
+        facts = {WEIGHTS: (digest, size), CONFIG: sha256_and_size(str(out_dir / CONFIG))}
         for name, (actual, actual_size) in facts.items():
             want = signed[name]
             if actual != want["sha256"]:

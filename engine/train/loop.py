@@ -47,9 +47,9 @@ class TrainError(EngineError):
 def load_target_embedding(model_dir: Path) -> torch.Tensor:
     from safetensors import safe_open
 
-    from engine.lmhead import EMBED_NAMES, LmHeadError, _tensor_files
+    from engine.lmhead import EMBED_NAMES, LmHeadError, tensor_files
 
-    files = _tensor_files(Path(model_dir))
+    files = tensor_files(Path(model_dir))
     for name in EMBED_NAMES:
         if name in files:
             with safe_open(str(files[name]), framework="pt") as handle:
@@ -79,8 +79,8 @@ def place_drafter(model: Eagle3Drafter, device: torch.device | str) -> Eagle3Dra
 
 
 def compile_head_wanted(gpu: bool) -> bool:
-    """torch.compile the fused loss's softmax part: on by default on CUDA (an H200 measured
-    1.43x / 1.34x SpecForge's tok/s at 2,048 / 4,096 tokens with it, 1.31x / 1.20x without);
+    """torch.compile the fused loss's softmax part: on by default on CUDA, where it trains faster
+    than without (bench/RESULTS.md, Drafter training);
     EAGLE3_TRAIN_COMPILE_HEAD=0 or 1 forces it. Off on CPU, where compiling costs more than it saves."""
     value = os.environ.get("EAGLE3_TRAIN_COMPILE_HEAD", "").strip()
     return value == "1" if value in ("0", "1") else gpu
