@@ -107,7 +107,7 @@ class BatchDrafter:
     """The drafter (one decoder layer) over a batched flat cache, as specdec.DraftRunner per row."""
 
     def __init__(self, runner, batch: int, capacity: int):
-        runner._reserve(capacity)
+        runner.reserve(capacity)
         self.r = runner
         self.cache = torch.zeros(2, batch, runner.kv_heads, runner.capacity, runner.head_dim,
                                  device=runner.qkv.device, dtype=runner.qkv.dtype)

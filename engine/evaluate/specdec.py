@@ -157,9 +157,10 @@ class DraftRunner:
         self.length = 0
         self.capacity = 0
         self.cache: torch.Tensor | None = None  # [2 (k, v), 1, kv_heads, capacity, head_dim]
-        self._reserve(capacity)
+        self.reserve(capacity)
 
-    def _reserve(self, length: int) -> None:
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions in the cache and rope tables (grown, never shrunk)."""
         if length <= self.capacity:
             return
         capacity = grown(self.capacity, length)
@@ -178,7 +179,7 @@ class DraftRunner:
         """Tokens [1, T] and features [1, T, H] at the next T positions -> pre-norm outputs [1, T, H]."""
         t = input_ids.shape[1]
         start, end = self.length, self.length + t
-        self._reserve(end)
+        self.reserve(end)
         norms = self.norms
         feature = feature[0]
         embeds = F.embedding(input_ids[0], self.embed).to(feature.dtype)
