@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, cast
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +152,7 @@ class DraftRunner:
         # As engine.train.model.rope_cos_sin computes it, so positions match training bit for bit.
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.head_dim, 2, device=device,
                                                                dtype=torch.float32) / self.head_dim))
-        d2t = cast(torch.Tensor, drafter.d2t)  # a registered buffer
+        d2t = drafter.d2t
         self.hot_ids = d2t + torch.arange(d2t.shape[0], device=d2t.device)
         self.length = 0
         self.capacity = 0
