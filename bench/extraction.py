@@ -3,7 +3,7 @@
 The product's own extraction job runs in-process against a server it starts (capture on).
 Then, on the same output disk, the same number of bytes is written twice without any model:
 as many files as there are records, of the average record size, with the records' atomic
-pattern (temp + fsync + rename, `engine.atomic.write_bytes`), and as one file with buffered
+pattern (temp + fsync + rename, `engine.io.atomic.write_bytes`), and as one file with buffered
 writes and one fsync. The ratio extraction MB/s / plain MB/s says how close extraction gets
 to what the disk can take.
 
@@ -133,7 +133,7 @@ def demo_workspace(root: Path, args):
 
 
 def model_label(ws) -> str:
-    from engine.target import workspace_plan
+    from engine.model.target import workspace_plan
 
     plan = workspace_plan(ws)
     return f"{ws.model_dir.name} (hidden {plan.hidden_size}, {plan.num_layers} layers, {ws.config.model.dtype})"
@@ -144,7 +144,7 @@ def model_label(ws) -> str:
 
 def atomic_files_mb_s(directory: Path, count: int, size: int) -> float:
     """`count` files of `size` bytes, each temp + fsync + rename + dir fsync (the records' pattern)."""
-    from engine import atomic
+    from engine.io import atomic
 
     data = os.urandom(size)
     directory.mkdir(parents=True)

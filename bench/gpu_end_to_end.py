@@ -333,9 +333,9 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     import torch
 
     from engine.config import set_value
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.server.manager import ServerManager
-    from engine.stagejobs import start_evaluate, start_extract, start_train
+    from engine.jobs.registry import start_evaluate, start_extract, start_train
     from engine.workspace import init_workspace
 
     out = Path(args.out)

@@ -20,7 +20,7 @@ from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.keys import KEYS
 from eagle3_console.messages import ServerActionFailed
 from eagle3_console.panes import ExtractionPane, ServerPane, TrainingPane
-from engine.stagejobs import STAGE_JOBS
+from engine.jobs.registry import STAGE_JOBS
 
 if TYPE_CHECKING:
     from engine.core import Engine
@@ -42,7 +42,7 @@ ACTION_KEYS = {k.action.split("(")[0]: k for k in KEYS if not k.action.startswit
 def start_estimate(stage: str, jobs, reports: dict, workspace) -> tuple[str, str]:
     """(duration, disk need) of a stage's job, from what is known before it starts: the last
     successful run of the same kind, and the disk stage's budget."""
-    from engine.disk import fmt_bytes  # noqa: F401  (engine helpers only; no I/O here)
+    from engine.system.disk import fmt_bytes  # noqa: F401  (engine helpers only; no I/O here)
     from eagle3_console.fmt import fmt_duration
 
     done = [j for j in jobs if j.kind == stage and j.state == "succeeded" and j.started_at and j.ended_at]
@@ -139,7 +139,7 @@ class JobActions(_AppBase):
 
     def stop_job_asking(self, job) -> None:
         """Stop any job (the Jobs pane's row, evaluate) after a yes; the server through its manager."""
-        from engine.stagejobs import stop_grace
+        from engine.jobs.registry import stop_grace
 
         if not job.active:
             self.notify(f"job {job.id} is {job.state}: nothing to stop", timeout=4)

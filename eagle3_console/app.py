@@ -60,7 +60,7 @@ from eagle3_console.panes.base import Pane
 from eagle3_console.fmt import finite
 from eagle3_console.strip import JobProgress, StatusStrip
 from eagle3_console.tabs import SHORT_LABELS, SHORT_TABS_BELOW, TABS
-from engine.jobevents import Paused, Progress, Resumed
+from engine.jobs.events import Paused, Progress, Resumed
 
 ENGINE_START_DELAY_S = 0.1  # after the first paint: the footer is rebuilt just after it
 TTY_CHECK_S = 1.0  # how often the app checks that its terminal is still there (then closes cleanly)

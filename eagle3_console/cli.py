@@ -24,7 +24,7 @@ from eagle3_console.cliprint import (
 )
 from eagle3_console.tabs import TAB_IDS
 from engine.config import ConfigError
-from engine.jobs import JobState
+from engine.jobs.manager import JobState
 from engine.workspace import WorkspaceError
 
 GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-",
@@ -289,7 +289,7 @@ def status_data(ws) -> dict:
 
 
 def cmd_status(args) -> int:
-    from engine.disk import fmt_bytes
+    from engine.system.disk import fmt_bytes
 
     ws = _open_workspace(args)
     data = status_data(ws)

@@ -50,7 +50,7 @@ def cmd_data(ws, args) -> int:
 def _data_list(ws, args) -> int:
     import time
 
-    from engine.disk import fmt_bytes
+    from engine.system.disk import fmt_bytes
     from engine.release import list_runs, output_dir_of
 
     runs = list_runs(ws, verify=args.verify)
@@ -81,7 +81,7 @@ def _ask(prompt: str) -> str | None:
 
 
 def _data_release(ws, args) -> int:
-    from engine.disk import fmt_bytes
+    from engine.system.disk import fmt_bytes
     from engine.release import (
         RELEASING,
         describe_run,
@@ -128,7 +128,7 @@ def _data_release(ws, args) -> int:
 
 
 def _data_export(ws, args) -> int:
-    from engine.disk import fmt_bytes
+    from engine.system.disk import fmt_bytes
     from engine.release import output_dir_of
     from engine.specforge_export import ExportError, export_specforge
 

@@ -11,8 +11,8 @@ import json
 import sys
 import time
 
-from engine.jobs import JobState
-from engine.stagejobs import DEFAULT_GRACE_S, STOP_GRACE_S, stop_grace
+from engine.jobs.manager import JobState
+from engine.jobs.registry import DEFAULT_GRACE_S, STOP_GRACE_S, stop_grace
 
 
 def _grace_help() -> str:
@@ -48,9 +48,9 @@ def cmd_jobs(args) -> int:
         progress_text,
         workspace_arg,
     )
-    from engine.jobctx import JobRecordError
-    from engine.jobs import JobError, JobManager
-    from engine.names import UnsafeNameError
+    from engine.jobs.context import JobRecordError
+    from engine.jobs.manager import JobError, JobManager
+    from engine.io.names import UnsafeNameError
     from engine.workspace import Workspace, WorkspaceError, find_workspace
 
     # The config is not read: a job must be listable and stoppable even while console.toml is broken.

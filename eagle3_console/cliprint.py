@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from eagle3_console.fmt import finite
-from engine.jobctx import EVENTS_FILE
-from engine.jobevents import FINAL_KINDS, JobEvent, Paused, Progress, Resumed, parse_event
+from engine.jobs.context import EVENTS_FILE
+from engine.jobs.events import FINAL_KINDS, JobEvent, Paused, Progress, Resumed, parse_event
 
 
 def fail(message: str, code: int = 2) -> int:

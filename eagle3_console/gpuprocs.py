@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:
-    from engine.gpu import GpuSnapshot
-    from engine.jobs import JobInfo
+    from engine.system.gpu import GpuSnapshot
+    from engine.jobs.manager import JobInfo
 
 ROLES = {"server": ("server", "server worker (TP)"), "train": ("trainer", "trainer rank"),
          "evaluate": ("evaluation", "evaluation worker"), "extract": ("extraction", "extraction worker")}

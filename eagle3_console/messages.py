@@ -14,10 +14,10 @@ from textual.message import Message
 
 if TYPE_CHECKING:
     from engine.checks.base import StageReport
-    from engine.disk import DiskUsage
-    from engine.gpu import GpuSnapshot
-    from engine.jobevents import JobEvent
-    from engine.jobs import JobInfo
+    from engine.system.disk import DiskUsage
+    from engine.system.gpu import GpuSnapshot
+    from engine.jobs.events import JobEvent
+    from engine.jobs.manager import JobInfo
     from engine.server.manager import ServerStatus
 
 
@@ -91,7 +91,7 @@ class ServerActionFailed(Message, bubble=False):
 
 
 class JobEventsArrived(Message, bubble=False):
-    """New typed events of one job (engine.jobevents); never coalesced: they are increments.
+    """New typed events of one job (engine.jobs.events); never coalesced: they are increments.
     `history`: already in the file when the engine began following it (replayed, not news)."""
 
     def __init__(self, job_id: str, kind: str, events: tuple[JobEvent, ...], history: bool = False) -> None:

@@ -10,7 +10,7 @@ import math
 
 from textual.markup import escape
 
-from engine.jobs import JobState
+from engine.jobs.manager import JobState
 
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 

@@ -23,7 +23,7 @@ from eagle3_console.fmt import finite, fmt_duration
 from eagle3_console.render import esc, set_markup
 
 if TYPE_CHECKING:
-    from engine.gpu import GpuSnapshot
+    from engine.system.gpu import GpuSnapshot
 
 GIB = 2**30
 SERVER_COLOURS = {"ready": "$success", "starting": "$warning", "unhealthy": "$warning", "crashed": "$error",
@@ -158,7 +158,7 @@ def _warning_parts(s: StripState) -> list[str]:
 def _disk_parts(s: StripState) -> list[str]:
     if s.disk_free is None:
         return []
-    from engine.disk import fmt_bytes
+    from engine.system.disk import fmt_bytes
 
     colour = "$warning" if s.below_reserve else "$foreground"
     return [f"disk [{colour}]{fmt_bytes(s.disk_free)} free[/]", f"disk [{colour}]{fmt_bytes(s.disk_free)}[/]"]

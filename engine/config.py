@@ -57,7 +57,7 @@ class Setting:
     """One console.toml key as declared: what validation and the written help need.
 
     `low`/`high` are inclusive bounds; a numeric key has both (and non-finite numbers are
-    always refused). `run_name` keys must be plain run names (engine.names.check_name)."""
+    always refused). `run_name` keys must be plain run names (engine.io.names.check_name)."""
 
     help: str
     low: float | None = None
@@ -133,7 +133,7 @@ class ServerConfig:
 
 @dataclass
 class GpuConfig:
-    nccl_preset: str = setting("none", help="NCCL settings: none | pcie-sm120 | p2p-off")  # checked by engine.nccl
+    nccl_preset: str = setting("none", help="NCCL settings: none | pcie-sm120 | p2p-off")  # checked by engine.system.nccl
     disable_nvls: bool = setting(True, help="set NCCL_NVLS_ENABLE=0 in child processes unless already set")
     sample_interval_s: float = setting(1.0, low=0.1, high=3600, help="seconds between GPU samples")
     slow_sample_interval_s: float = setting(5.0, low=0.1, high=3600, help="seconds between slow GPU samples")
@@ -382,7 +382,7 @@ def _build_section(file: Path, name: str, cls: type, raw: Any) -> Any:
 
 def _check_section(file: Path, name: str, section: Any) -> None:
     """Cross-field and semantic checks that types alone cannot express."""
-    from engine.names import UnsafeNameError, check_name
+    from engine.io.names import UnsafeNameError, check_name
 
     for sec, key in _NAME_KEYS:
         if sec == name:
@@ -409,7 +409,7 @@ def _check_section(file: Path, name: str, section: Any) -> None:
                 "list them low to high, e.g. [1, 15, 28]", section.capture_layers,
             )
     if name == "gpu":
-        from engine import nccl
+        from engine.system import nccl
 
         try:
             nccl.get_preset(section.nccl_preset)
@@ -481,7 +481,7 @@ def validate_against_model(config: Config, workspace: Path, file: Path | str = C
     """Checks that need the model's config.json: capture layer ids within range."""
     if not config.model.path or not config.model.capture_layers:
         return
-    from engine.target import TargetError, text_config
+    from engine.model.target import TargetError, text_config
 
     try:
         layers = text_config(resolve_path(workspace, config.model.path)).get("num_hidden_layers")

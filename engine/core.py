@@ -25,13 +25,13 @@ from engine.events import (
     ServerUpdated,
     StageUpdated,
 )
-from engine.jobctx import EVENTS_FILE, LOG_FILE
-from engine.jobevents import Paused
+from engine.jobs.context import EVENTS_FILE, LOG_FILE
+from engine.jobs.events import Paused
 from engine.pipeline import Pipeline
 from engine.watchers import EventsTail, WorkspaceFiles
 from engine.workspace import LockHolder, Workspace
-from engine.jobs import FINAL_STATES, JobInfo, JobManager
-from engine.stagejobs import SERVER_USERS, STAGE_JOBS
+from engine.jobs.manager import FINAL_STATES, JobInfo, JobManager
+from engine.jobs.registry import SERVER_USERS, STAGE_JOBS
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class ReadOnlyError(EngineError):
 
 class Engine:
     def __init__(self, workspace: Workspace, *, drive: bool = True, gpu_sampler=None):
-        from engine.disk import DiskSampler
+        from engine.system.disk import DiskSampler
 
         self.workspace = workspace
         self.config = workspace.config
@@ -92,7 +92,7 @@ class Engine:
     @property
     def gpu_sampler(self):
         if self._gpu_sampler is None:
-            from engine.gpu import GpuSampler
+            from engine.system.gpu import GpuSampler
 
             self._gpu_sampler = GpuSampler(
                 fast_interval=self.config.gpu.sample_interval_s,
@@ -438,7 +438,7 @@ class Engine:
     def server_users(self) -> list:
         """Running jobs that need the server (stopping it would disrupt them)."""
         from engine.config import ConfigError
-        from engine.stagejobs import server_users
+        from engine.jobs.registry import server_users
 
         try:
             users = server_users(self.workspace.config)  # online training captures from the server
@@ -447,7 +447,7 @@ class Engine:
         return [j for j in self.running_jobs() if j.kind in users]
 
     async def start_stage_job(self, stage: str):
-        from engine.stagejobs import STARTERS
+        from engine.jobs.registry import STARTERS
 
         self._require_driver(f"start the {stage} job")
         job = await asyncio.to_thread(STARTERS[stage], self.workspace, self.jobs)
@@ -455,13 +455,13 @@ class Engine:
         return job
 
     def red_prerequisites(self, stage: str) -> list[StageReport]:
-        """The prerequisite stages of `stage`'s job that are red now (engine.stagejobs.PREREQUISITES)."""
-        from engine.stagejobs import red_prerequisites
+        """The prerequisite stages of `stage`'s job that are red now (engine.jobs.registry.PREREQUISITES)."""
+        from engine.jobs.registry import red_prerequisites
 
         return red_prerequisites(stage, self.reports(), self.workspace.config)  # train's depend on train.mode
 
     async def stop_job(self, job_id: str, grace: float | None = None) -> JobInfo:
-        """SIGTERM the job, SIGKILL after `grace` s (default: its kind's, engine.stagejobs.stop_grace)."""
+        """SIGTERM the job, SIGKILL after `grace` s (default: its kind's, engine.jobs.registry.stop_grace)."""
         self._require_driver("stop a job")
         return await stop_detached_job(self.workspace, self.jobs, job_id, grace, server=self.server)
 
@@ -527,11 +527,11 @@ class Engine:
 async def stop_detached_job(workspace: Workspace, jobs: JobManager, job_id: str, grace: float | None = None, *,
                             server: ServerManager | None = None) -> JobInfo:
     """SIGTERM a job's process group, SIGKILL it after `grace` s (default: its kind's grace from
-    engine.stagejobs), and return its final record. The server's job goes through the server manager,
+    engine.jobs.registry), and return its final record. The server's job goes through the server manager,
     which first records that the server is meant to be down (else a console's restart policy would take
     the stop for a crash). Reads no console.toml: a job stays stoppable while the config is broken."""
     from engine.server.manager import ServerManager
-    from engine.stagejobs import stop_grace
+    from engine.jobs.registry import stop_grace
 
     info = await asyncio.to_thread(jobs.get, job_id)
     wait = stop_grace(info.kind) if grace is None else grace

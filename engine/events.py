@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the payloads' own modules import heavier things; the types are for readers and mypy
     from engine.checks.base import StageReport
-    from engine.disk import DiskUsage
-    from engine.gpu import GpuSnapshot
-    from engine.jobevents import JobEvent, Skipped
-    from engine.jobs import JobInfo
+    from engine.system.disk import DiskUsage
+    from engine.system.gpu import GpuSnapshot
+    from engine.jobs.events import JobEvent, Skipped
+    from engine.jobs.manager import JobInfo
     from engine.server.manager import ServerStatus
 
 
@@ -53,7 +53,7 @@ class ServerUpdated(Event):
 
 @dataclass(frozen=True)
 class JobEvents(Event):
-    """New lines of a job's events.jsonl as typed events (engine.jobevents: Progress, Paused,
+    """New lines of a job's events.jsonl as typed events (engine.jobs.events: Progress, Paused,
     Finished, ...); `skipped`: complete lines that broke the contract, with why. `history`: the
     events were already in the file when the engine began following it (replayed, not news)."""
 

@@ -15,10 +15,10 @@ import traceback
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Iterable, Union
 
-from engine import atomic
+from engine.io import atomic
 from engine.checks.base import CheckResult, StageReport, StageState, failed, passed, stage_state
 from engine.checks.context import CheckContext
-from engine.stagejobs import STAGE_JOBS
+from engine.jobs.registry import STAGE_JOBS
 
 CheckFn = Callable[[CheckContext], Union[list[CheckResult], Awaitable[list[CheckResult]]]]
 RESULTS_FILE = "checks.json"
@@ -61,8 +61,8 @@ def _extract_unless_online(check_extract: CheckFn) -> CheckFn:
     (with what the window holds) instead of asking for one; offline, the extraction's own checks."""
 
     def check(ctx: CheckContext):
-        from engine.disk import fmt_bytes
-        from engine.stagejobs import online_training
+        from engine.system.disk import fmt_bytes
+        from engine.jobs.registry import online_training
         from engine.train.window import window_budget, window_dir
 
         cfg = ctx.config
@@ -308,7 +308,7 @@ class Pipeline:
 
     def _with_job_failure(self, stage: str, results: list[CheckResult]) -> list[CheckResult]:
         """A red stage whose newest job failed says why first: the job's own error line."""
-        from engine.jobs import JobManager
+        from engine.jobs.manager import JobManager
 
         try:
             jobs = JobManager(self.ctx.workspace.jobs_dir).list()

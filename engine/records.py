@@ -35,10 +35,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import atomic
+from engine.io import atomic
 from engine.capture import stfile
 from engine.capture.stfile import tensor_bytes, write_all
-from engine.names import check_name
+from engine.io.names import check_name
 from engine.errors import EngineError
 
 GROUP_SIZE = 1000

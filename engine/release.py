@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.extract.layout import COMPLETE, RUN_LOCK
-from engine.names import UnsafeNameError, check_name
+from engine.io.names import UnsafeNameError, check_name
 from engine.records import RUN_META, RecordError, read_manifest, read_run_meta
-from engine.stagejobs import RECORD_READERS
+from engine.jobs.registry import RECORD_READERS
 from engine.errors import EngineError
-from engine.jsonfile import read_json_object_or_none
+from engine.io.jsonfile import read_json_object_or_none
 
 RELEASING = re.compile(r"^(?P<run>.+)\.releasing-[0-9a-f]{8}$")
 
@@ -247,7 +247,7 @@ def in_use_reason(workspace, name: str) -> str | None:
     if run_lock.held_elsewhere():
         return (f"an extraction ({run_lock.holder_text('another process')}) is writing run {name!r}: "
                 "stop it first, then release")
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
 
     jobs = JobManager(workspace.jobs_dir)
     try:

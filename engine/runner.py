@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.checks.base import StageReport, StageState
-from engine.jobs import JobInfo
+from engine.jobs.manager import JobInfo
 from engine.pipeline import get_stage, last_failure
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ async def run_stages(engine: Engine, names: list[str], *, force: bool = False) -
     not turn green (ServerStartFailed, PrerequisitesRed or StageNotGreen is then the last item).
     `force` starts a job even when its prerequisite stages are red."""
     from engine.server.manager import ServerStartError
-    from engine.stagejobs import STAGE_JOBS
+    from engine.jobs.registry import STAGE_JOBS
 
     for name in names:
         stage = get_stage(name)

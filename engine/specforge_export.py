@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import Callable
 
 from engine.extract.layout import COMPLETE, RUN_LOCK
-from engine import atomic
-from engine.names import UnsafeNameError, check_name
+from engine.io import atomic
+from engine.io.names import UnsafeNameError, check_name
 from engine.records import RecordError, load_record, read_manifest, read_run_meta
 from engine.errors import EngineError
-from engine.jsonfile import read_json_object_or_none
+from engine.io.jsonfile import read_json_object_or_none
 
 FORMATS = ("specforge",)
 SPECFORGE_COMMIT = "a6b6b0230009d15ec2a97a57384e6f53f0f96946"  # the SpecForge source this layout was read from
@@ -159,7 +159,7 @@ def export_specforge(output_dir: Path, run: str, dest: str | os.PathLike,
     need = sum(e.bytes + _FILE_OVERHEAD for e in entries)
     free = shutil.disk_usage(dest.parent).free
     if free < need:
-        from engine.disk import fmt_bytes
+        from engine.system.disk import fmt_bytes
 
         raise ExportError(f"{dest.parent} has {fmt_bytes(free)} free, the export needs about {fmt_bytes(need)}: "
                           "free space or export elsewhere; nothing exported")

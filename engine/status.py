@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.checks.base import StageReport
-from engine.disk import DiskUsage
-from engine.gpu import GpuSnapshot
-from engine.jobs import JobInfo
+from engine.system.disk import DiskUsage
+from engine.system.gpu import GpuSnapshot
+from engine.jobs.manager import JobInfo
 from engine.server.manager import ServerStatus
 from engine.workspace import LockHolder
 

@@ -18,8 +18,8 @@ from typing import Any
 import aiofiles
 import aiofiles.os
 
-from engine.jobevents import JobEvent, Skipped, parse_lines
-from engine.jsonl import complete_objects
+from engine.jobs.events import JobEvent, Skipped, parse_lines
+from engine.io.jsonl import complete_objects
 
 Identity = tuple[int, int]  # (st_dev, st_ino)
 
@@ -61,7 +61,7 @@ class JsonlTail:
 
 @dataclass
 class EventsTail:
-    """A job's events.jsonl as typed events (engine.jobevents), malformed lines reported apart."""
+    """A job's events.jsonl as typed events (engine.jobs.events), malformed lines reported apart."""
 
     path: Path
     tail: JsonlTail = field(init=False)

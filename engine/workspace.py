@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import atomic
+from engine.io import atomic
 from engine.config import (
     CONFIG_NAME,
     Config,

@@ -15,7 +15,7 @@ import pytest
 from tests.helpers.models import CHAT_TEMPLATE, build_tiny_model
 
 # Every job the tests run (and the jobs they start) writes its events in strict mode: an event kind or
-# field outside the contract (engine.jobevents) fails the job instead of drifting from its readers.
+# field outside the contract (engine.jobs.events) fails the job instead of drifting from its readers.
 os.environ.setdefault("EAGLE3_STRICT_JOB_EVENTS", "1")
 
 

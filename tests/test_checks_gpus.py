@@ -12,7 +12,7 @@ import pytest
 
 from engine.checks.context import CheckContext
 from engine.config import set_value
-from engine.gpu import GpuSampler
+from engine.system.gpu import GpuSampler
 from engine.pipeline import Pipeline
 from engine.workspace import init_workspace
 

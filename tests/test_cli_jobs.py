@@ -11,12 +11,12 @@ import time
 
 from tests.helpers.processes import lock_held_by_another_process
 from tests.helpers.workspaces import console_workspace
-from engine.jobs import JobManager
+from engine.jobs.manager import JobManager
 from engine.workspace import LOCK_NAME
 
 GRACEFUL_JOB = """
 import time
-from engine.jobctx import JobContext
+from engine.jobs.context import JobContext
 ctx = JobContext.from_env()
 ctx.install_sigterm_handler()
 ctx.event("started", samples=40)

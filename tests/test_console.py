@@ -17,7 +17,7 @@ from textual.widgets import Static
 
 from engine.config import load_config
 from engine.core import Engine
-from engine.disk import usage_for
+from engine.system.disk import usage_for
 from engine.workspace import Workspace, WorkspaceLock
 from eagle3_console.app import TABS, ConsoleApp, closing_summary
 from eagle3_console.header import ConsoleHeader
@@ -126,7 +126,7 @@ async def test_gpu_pane_says_nvml_unavailable_here(ws):
 
 def test_gpu_rows_fit_the_width():
     """Hand-built snapshot (fake: no NVML here) to check the row layout at pane widths."""
-    from engine.gpu import GpuSample, GpuSnapshot
+    from engine.system.gpu import GpuSample, GpuSnapshot
 
     gpus = tuple(GpuSample(index=i, name="NVIDIA RTX PRO 6000 Blackwell", uuid=f"GPU-{i}", compute_capability=(12, 0),
                            utilization_gpu=37 * i % 101, utilization_memory=10, memory_used=(i + 1) * 9 * 2**30,

@@ -6,8 +6,8 @@ for rendering only; the real server path (start, poll, crash, restart) is covere
 tests/test_server_manager.py. Stopping goes through the real engine (it writes the server
 record and polls), and a failed start is real too (the configured port is held by a socket).
 
-Extraction and training: real detached jobs started by engine.jobs.JobManager run tiny scripts
-that report through engine.jobctx.JobContext exactly like the real jobs (same event names and
+Extraction and training: real detached jobs started by engine.jobs.manager.JobManager run tiny scripts
+that report through engine.jobs.context.JobContext exactly like the real jobs (same event names and
 keys), and the engine streams their events.jsonl to the panes. Training metrics are real
 metrics.jsonl lines in the drafter folder, in engine.train.loop's format.
 
@@ -30,7 +30,7 @@ from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
 from engine.core import Engine
-from engine.disk import usage_for
+from engine.system.disk import usage_for
 from engine.events import ServerUpdated
 from engine.server.manager import ServerStatus
 from engine.workspace import Workspace
@@ -175,7 +175,7 @@ async def test_server_start_failure_shows_reason_in_pane_and_notification(tmp_pa
 EXTRACT_SCRIPT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from engine.jobctx import JobContext
+    from engine.jobs.context import JobContext
 
     ctx = JobContext.from_env()
     mount, free = sys.argv[1], int(sys.argv[2])
@@ -356,7 +356,7 @@ async def test_training_pane_shows_online_rates_and_window(ws):
     (drafter / "metrics.jsonl").write_text(json.dumps(train_line(10, time.time())) + "\n")
     script = textwrap.dedent("""
         import time
-        from engine.jobctx import JobContext
+        from engine.jobs.context import JobContext
         ctx = JobContext.from_env()
         ctx.progress(10, 40, unit="steps", mode="online", epoch=1, epoch_step=3, steps_per_epoch=20,
                      capture_tokens_per_s=900.0, train_tokens_per_s=4200.0, window_bytes=4_700_000,

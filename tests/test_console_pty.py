@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from engine.jobs import JobManager
+from engine.jobs.manager import JobManager
 from engine.workspace import WorkspaceLock
 from tests.helpers.workspaces import console_workspace
 

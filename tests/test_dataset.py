@@ -29,7 +29,7 @@ from engine.dataset.formats import KEEP_BAD_LINES
 from engine.dataset.regenerate import EXIT_OK, RegenerateError, check_paths, recover_output, start_regeneration_job
 from engine.dataset.stats import length_bucket
 from engine.dataset.tokenize import load_tokenizer, mask_method
-from engine.datastats import load_cached_stats
+from engine.dataset.stats_cache import load_cached_stats
 from engine.workspace import init_workspace
 
 REPO = Path(__file__).resolve().parent.parent
@@ -448,7 +448,7 @@ def count_lines(path: Path) -> int:
 
 
 def test_regenerate_job_writes_new_file_and_resumes_after_kill(tmp_path: Path, gen_model: Path, server_url: str) -> None:
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.server.manager import STATE_FILE
 
     n = 8

@@ -1,4 +1,4 @@
-"""Tests for engine.disk on real directories (and a real tmpfs mount when running as root)."""
+"""Tests for engine.system.disk on real directories (and a real tmpfs mount when running as root)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.disk import (
+from engine.system.disk import (
     DiskSampler,
     DiskUsage,
     bytes_per_token,

@@ -19,7 +19,7 @@ import pytest
 
 from engine.config import set_value
 from engine.core import Engine
-from engine.jobs import JobManager
+from engine.jobs.manager import JobManager
 from engine.workspace import Workspace, init_workspace
 from eagle3_console.app import ConsoleApp
 from eagle3_console.confirm import ConfirmScreen

@@ -368,7 +368,7 @@ async def test_pane_shows_one_row_per_concurrency_on_the_visible_screen(size):
 
     from tests.helpers.screen import screen_text
     from eagle3_console.panes.evaluation import EvaluationPane, progress_text
-    from engine.jobevents import Progress
+    from engine.jobs.events import Progress
 
     class Host(App):
         def compose(self):
@@ -426,7 +426,7 @@ async def test_pane_inconclusive_verdict_is_amber_with_the_load():
 
 EVAL_JOB = """
 import time
-from engine.jobctx import JobContext
+from engine.jobs.context import JobContext
 ctx = JobContext.from_env()
 ctx.event("started", backend="local", prompts=8, rounds=3)
 ctx.event("progress", unit="requests x rounds", done=12, total=36, concurrency=1, round=2, rounds=3,
@@ -442,7 +442,7 @@ def test_running_evaluation_progress_in_status_and_the_stage(tmp_path):
 
     from engine.checks.context import CheckContext
     from engine.checks.evaluate import check_evaluate
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from tests.helpers.workspaces import console_workspace
 
     ws = console_workspace(tmp_path)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine.evaluate.sglang_eval import EvalServer, SglangEvalError
-from engine.jobs import JobManager
+from engine.jobs.manager import JobManager
 from tests.helpers.processes import free_port
 
 

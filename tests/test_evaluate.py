@@ -230,8 +230,8 @@ def _build_workspace(root: Path, target_dir: Path, target):
 def _run_job(ws) -> tuple[dict, list[dict]]:
     """The evaluate stage's job, started the way the console starts it; returns (report, events)."""
     from engine.evaluate.report import read_report
-    from engine.jobs import JobManager
-    from engine.stagejobs import start_evaluate
+    from engine.jobs.manager import JobManager
+    from engine.jobs.registry import start_evaluate
 
     jobs = JobManager(ws.jobs_dir)
     job = start_evaluate(ws, jobs)
@@ -534,8 +534,8 @@ def test_an_export_with_wrong_layer_ids_cannot_pass_evaluation(pipeline, tmp_pat
     capturable layers, so 'other layers' is the same three in another order)."""
     import shutil
 
-    from engine.jobs import JobManager
-    from engine.stagejobs import start_evaluate
+    from engine.jobs.manager import JobManager
+    from engine.jobs.registry import start_evaluate
     from engine.workspace import Workspace
 
     ws, untrained, trained, _ = pipeline

@@ -32,7 +32,7 @@ from engine.evaluate.sglang_eval import (
     settings_notes,
     sweep_settings,
 )
-from engine.jobs import JobManager
+from engine.jobs.manager import JobManager
 
 STANDIN = Path(__file__).resolve().parent / "sglang_standin.py"
 VERSION_ENV = "EAGLE3_SGLANG_VERSION"  # = engine.sglang.launch.ENV_VERSION_OVERRIDE: no SGLang to detect here
@@ -332,7 +332,7 @@ async def test_evaluate_job_on_sglang_writes_the_report_the_pane_shows(tmp_path,
 
 SGLANG_EVAL_JOB = """
 import time
-from engine.jobctx import JobContext
+from engine.jobs.context import JobContext
 ctx = JobContext.from_env()
 ctx.event("started", backend="sglang", prompts=8, rounds=2)
 ctx.event("progress", unit="requests x rounds x servers", done=40, total=128, concurrency=4, round=1, rounds=2,

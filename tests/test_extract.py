@@ -23,7 +23,7 @@ from engine.extract.job import COMPLETE, Extractor
 from engine.extract.launch import start_extraction
 from engine.extract.plan import build_plan
 from engine.extract.verify import check_run
-from engine.jobs import JobManager
+from engine.jobs.manager import JobManager
 from engine.pipeline import Pipeline
 from engine.records import load_record, load_token_counts, read_manifest
 from engine.server.manager import ServerManager

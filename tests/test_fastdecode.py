@@ -263,7 +263,7 @@ def test_draft_runner_grows_and_keeps_the_training_attention(checkpoint):
 def test_cudnn_attention_is_turned_off_for_decoding_unless_asked_to_stay(monkeypatch):
     """Decode steps change the key length every step; cuDNN attention builds a plan per shape (an H200
     evaluation measured speculative decoding 5x slower than greedy). The flag is process-wide in torch."""
-    from engine.sdpa import CUDNN_SDPA_ENV, avoid_cudnn_attention
+    from engine.model.sdpa import CUDNN_SDPA_ENV, avoid_cudnn_attention
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

@@ -1,4 +1,4 @@
-"""Tests for engine.gpu.
+"""Tests for engine.system.gpu.
 
 The first group runs against the real environment, where NVML is really absent (no driver,
 no GPU on this machine). The fake-device tests monkeypatch pynvml functions because no GPU
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from engine.gpu import GpuSampler, GpuSnapshot, architecture_name
+from engine.system.gpu import GpuSampler, GpuSnapshot, architecture_name
 
 
 def _nvml_really_absent() -> bool:

@@ -1,4 +1,4 @@
-"""The job-event contract (engine.jobevents): what jobs write through the job context is what readers parse."""
+"""The job-event contract (engine.jobs.events): what jobs write through the job context is what readers parse."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.jobctx import STRICT_EVENTS_ENV, JobContext
-from engine.jobevents import (
+from engine.jobs.context import STRICT_EVENTS_ENV, JobContext
+from engine.jobs.events import (
     EVENT_TYPES,
     MalformedEvent,
     Paused,
@@ -23,7 +23,7 @@ from engine.jobevents import (
     parse_event,
     parse_lines,
 )
-from engine.jobs import JobManager
+from engine.jobs.manager import JobManager
 from tests.helpers.events import sample
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,8 +34,8 @@ def test_every_kind_written_by_a_real_job_through_the_context_parses_back_whole(
     """A real job process emits one fully populated event of every kind; the console parses each back equal."""
     jobs = JobManager(tmp_path / "jobs")
     body = textwrap.dedent("""
-        from engine.jobctx import JobContext
-        from engine.jobevents import EVENT_TYPES
+        from engine.jobs.context import JobContext
+        from engine.jobs.events import EVENT_TYPES
         from tests.helpers.events import sample
         ctx = JobContext.from_env()
         for cls in EVENT_TYPES.values():
@@ -75,14 +75,14 @@ def _emitted(path: Path) -> list[tuple[str, str, list[str], int]]:
 
 
 def test_every_event_the_jobs_write_is_in_the_contract_with_its_fields():
-    """Drift guard: a job that writes a new kind or field fails here until engine/jobevents.py names it."""
+    """Drift guard: a job that writes a new kind or field fails here until engine/jobs/events.py names it."""
     calls = [c for src in JOB_SOURCES for path in sorted((REPO / src).rglob("*.py")) for c in _emitted(path)]
     assert len({kind for _f, kind, _n, _l in calls}) >= 20, "the scan found too few event kinds: is it broken?"
     problems = []
     for file, kind, names, line in calls:
         cls = EVENT_TYPES.get(kind)
         if cls is None:
-            problems.append(f"{file}:{line}: kind {kind!r} is not in engine.jobevents.EVENT_TYPES")
+            problems.append(f"{file}:{line}: kind {kind!r} is not in engine.jobs.events.EVENT_TYPES")
             continue
         fields = {f.name for f in dataclasses.fields(cls)}
         problems += [f"{file}:{line}: {kind} field {n!r} is not a field of {cls.__name__}"

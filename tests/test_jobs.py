@@ -15,11 +15,11 @@ from typing import Callable
 import psutil
 import pytest
 
-from engine.atomic import write_json
-from engine.jobctx import JobContext, read_record
-from engine.jobs import LOST_NOTE, JobError, JobManager
-from engine.names import UnsafeNameError
-from engine.procinfo import is_same_process, process_create_time, process_start_ticks
+from engine.io.atomic import write_json
+from engine.jobs.context import JobContext, read_record
+from engine.jobs.manager import LOST_NOTE, JobError, JobManager
+from engine.io.names import UnsafeNameError
+from engine.system.procinfo import is_same_process, process_create_time, process_start_ticks
 
 PY = sys.executable
 
@@ -146,7 +146,7 @@ def test_start_records_running_and_fresh_manager_reattaches(manager: JobManager,
 def test_events_are_read_incrementally_and_partial_lines_wait(manager: JobManager, tmp_path: Path):
     info = manager.start("extract", script("""
         import pathlib, time
-        from engine.jobctx import JobContext
+        from engine.jobs.context import JobContext
         ctx = JobContext.from_env()
         ctx.event("hello", n=1)
         while not pathlib.Path("go").exists():
@@ -281,7 +281,7 @@ async def test_stop_sigterm_default_is_stopped_minus_15(manager: JobManager):
 def test_graceful_stop_checkpoints_once_and_keeps_its_exit_code(manager: JobManager):
     info = manager.start("train", script("""
         import signal, sys, time
-        from engine.jobctx import JobContext
+        from engine.jobs.context import JobContext
         ctx = JobContext.from_env()
         ctx.install_sigterm_handler()
         handler, count = signal.getsignal(signal.SIGTERM), [0]
@@ -344,7 +344,7 @@ def test_job_survives_its_starting_process_exiting(jobs_dir: Path):
         [PY, "-c", textwrap.dedent(f"""
             import sys
             from pathlib import Path
-            from engine.jobs import JobManager
+            from engine.jobs.manager import JobManager
             info = JobManager(Path({str(jobs_dir)!r})).start("server", {SLEEPER!r}, job_id="server-detached")
             print(info.pid, info.state)
         """)],
@@ -381,7 +381,7 @@ def test_bad_requests_get_clear_errors(manager: JobManager, tmp_path: Path):
 def test_sigusr1_writes_the_stacks_of_a_running_job_to_its_log_and_it_goes_on(manager: JobManager):
     info = manager.start("extract", script("""
         import time
-        from engine.jobctx import JobContext
+        from engine.jobs.context import JobContext
 
         ctx = JobContext.from_env()
         def stuck_in_here():
@@ -404,7 +404,7 @@ def test_dump_stacks_signals_torchruns_ranks_never_torchrun(manager: JobManager,
     launcher = tmp_path / "torchrun"
     launcher.write_text(textwrap.dedent(f"""
         import subprocess, sys, time
-        rank = subprocess.Popen([{PY!r}, "-c", "import time; from engine.jobctx import JobContext; "
+        rank = subprocess.Popen([{PY!r}, "-c", "import time; from engine.jobs.context import JobContext; "
                                  "JobContext.from_env(); print('rank ready', flush=True); time.sleep(60)"])
         print("launcher pid", flush=True)
         rank.wait()

@@ -1,4 +1,4 @@
-"""Tests for engine.nccl: presets, child environments, and the variables the GPU pane shows."""
+"""Tests for engine.system.nccl: presets, child environments, and the variables the GPU pane shows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.nccl import PRESETS, NcclPreset, build_child_env, effective_nccl_vars, get_preset, suggest_preset
+from engine.system.nccl import PRESETS, NcclPreset, build_child_env, effective_nccl_vars, get_preset, suggest_preset
 
 
 def test_required_presets_exist() -> None:

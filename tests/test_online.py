@@ -24,7 +24,7 @@ import pytest
 
 from engine.checks.base import StageReport, StageState, failed, passed
 from engine.config import ConfigError, parse_config, set_value
-from engine.stagejobs import prerequisites, red_prerequisites, server_users
+from engine.jobs.registry import prerequisites, red_prerequisites, server_users
 from engine.train.window import Window, files_bytes, record_bytes
 from tests.helpers.workspaces import make_workspace, write_conversations
 
@@ -138,7 +138,7 @@ class Sampler:
 def run_job(ws, jobs, sink: list[dict], until=None, timeout: float = 300.0):
     """Start the train stage's job (as the console does) and collect its events until it ends, or until
     `until(events)` is true (then it is left running and returned)."""
-    from engine.stagejobs import STARTERS
+    from engine.jobs.registry import STARTERS
 
     job = STARTERS["train"](ws, jobs)
     offset, deadline = 0, time.monotonic() + timeout
@@ -179,7 +179,7 @@ def test_online_training_killed_resumes_and_retrains_only_what_followed_the_chec
     from engine.checks.context import CheckContext
     from engine.checks.disk import check_disk
     from engine.checks.train import check_train
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.pipeline import get_stage
     from engine.train.online import LEDGER
     from engine.train.window import window_budget, window_dir
@@ -254,7 +254,7 @@ def test_online_training_killed_resumes_and_retrains_only_what_followed_the_chec
 
 @pytest.mark.parametrize("online_ws", ["640k"], indirect=True)
 def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online_ws):
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.records import read_manifest
     from engine.train.online import LEDGER
     from engine.train.window import window_budget, window_dir
@@ -293,7 +293,7 @@ def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online
 def test_online_training_rides_out_a_server_killed_mid_epoch(online_ws):
     """kill -9 of the target server while the trainer waits on captures: the capture path's outage
     handling restarts the server the engine owns, and training finishes within its window."""
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.server.manager import ServerManager
     from engine.train.window import window_budget, window_dir
 

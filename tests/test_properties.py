@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from engine.client import ServerClient, ServerReplyError
 from engine.config import SECTIONS, Config, ConfigError, parse_config, render_config, set_value
 from engine.dataset.formats import DatasetError, iter_samples
-from engine.names import is_safe_name
+from engine.io.names import is_safe_name
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

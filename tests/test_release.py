@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import atomic
+from engine.io import atomic
 from engine.extract.job import COMPLETE as JOB_COMPLETE
 from engine.records import append_manifest, write_record, write_run_meta
 from engine.release import (
@@ -187,7 +187,7 @@ def test_not_a_run_is_refused_with_what_was_found(ws):
 
 def test_active_job_after_a_config_change_blocks_release(ws):
     """A real detached job of kind "train"; the config is edited after it started."""
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
 
     jobs = JobManager(ws.jobs_dir)
     job = jobs.start("train", [sys.executable, "-c", "import time; time.sleep(30)"])

@@ -21,7 +21,7 @@ from engine.capture.segments import (
     segment_path,
     write_segment,
 )
-from engine.names import UnsafeNameError
+from engine.io.names import UnsafeNameError
 
 H = 8
 LAYERS = [0, 1, 2]
@@ -279,7 +279,7 @@ def test_failed_segment_write_leaves_neither_segment_nor_temp(tmp_path, monkeypa
 
 
 def test_in_flight_temp_is_invisible_to_readers_and_freed_by_release(tmp_path):
-    from engine.atomic import publish_via_path
+    from engine.io.atomic import publish_via_path
 
     ids, aux, final = make_states(3)
     write_segment(tmp_path, "busy", 0, ids, aux, final, LAYERS)

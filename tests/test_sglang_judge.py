@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.target import (
+from engine.model.target import (
     ADD_ONE,
     ADD_ONE_IF_FIRST_IS_ONE,
     KEYWORD_AUX,
@@ -60,7 +60,7 @@ def test_our_rule_table_is_the_wheels(probe, sglang_src):
     """Every EAGLE-3 architecture in the wheel is in our table with its rule, and nothing else is."""
     probed = set(probe["architectures"]) - set(UNJUDGEABLE)
     assert probed == ADD_ONE | ADD_ONE_IF_FIRST_IS_ONE, (
-        f"missing from engine/target.py: {sorted(probed - ADD_ONE - ADD_ONE_IF_FIRST_IS_ONE)}; "
+        f"missing from engine/model/target.py: {sorted(probed - ADD_ONE - ADD_ONE_IF_FIRST_IS_ONE)}; "
         f"not EAGLE-3 targets in the wheel: {sorted((ADD_ONE | ADD_ONE_IF_FIRST_IS_ONE) - probed)}")
     assert set(probe["keyword_aux_without_method"]) == KEYWORD_AUX
     defining = {p.stem for p in (sglang_src / "models").glob("*.py")

@@ -208,7 +208,7 @@ def test_server_command_renders_sglang_spec(ws, monkeypatch, capsys):
 
 def test_server_info_check_and_allreduce_skip(ws):
     from engine.checks.sglang import check_allreduce, check_sglang_server_info
-    from engine.gpu import GpuSnapshot
+    from engine.system.gpu import GpuSnapshot
 
     ctx = CheckContext(ws)
     hooks = json.loads(flag_value(spec_for(ws).argv, "--forward-hooks"))

@@ -1,4 +1,4 @@
-"""The target's config sizes and chat-template token ids, read once (engine.target,
+"""The target's config sizes and chat-template token ids, read once (engine.model.target,
 engine.dataset.tokenize) and used by the model check and the capture probe."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from engine.checks.context import CheckContext
 from engine.checks.model import check_model
 from engine.config import set_value
 from engine.dataset.tokenize import chat_token_ids
-from engine.target import TargetError, bad_sizes, config_sizes, plan_target
+from engine.model.target import TargetError, bad_sizes, config_sizes, plan_target
 from engine.workspace import init_workspace
 
 GOOD = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8, "hidden_size": 64, "vocab_size": 100}

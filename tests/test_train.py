@@ -61,7 +61,7 @@ def test_loss_falls_accuracy_rises_and_export_reproduces(hidden_run, tiny_model_
     run_layers = json.loads((hidden_run / "run.json").read_text())["layers"]
     # Read as SGLang reads it (its rule for the target's architecture, held to the wheel by
     # test_sglang_judge), the export selects exactly the layers the records hold.
-    from engine.target import served_layers
+    from engine.model.target import served_layers
 
     architecture = json.loads((tiny_model_dir / "config.json").read_text())["architectures"][0]
     assert served_layers(architecture, cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == run_layers
@@ -154,7 +154,7 @@ def test_bad_inputs_fail_clearly(hidden_run, tiny_model_dir, tmp_path):
 
 
 def test_job_sigterm_checkpoints_and_resumes(hidden_run, tiny_model_dir, tmp_path):
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.train import checkpoint as ckpt
     from engine.train.launch import build_train_argv
 

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.atomic import write_json
+from engine.io.atomic import write_json
 from engine.core import Engine
 from engine.events import EvaluationReport, Event, JobEvents, JobLogTail, TrainingMetrics
-from engine.jobevents import Finished, Paused, Progress
+from engine.jobs.events import Finished, Paused, Progress
 from engine.watchers import JsonFileWatch, JsonlTail, LogTail, WorkspaceFiles, tail_lines
 from engine.workspace import init_workspace
 
@@ -107,7 +107,7 @@ async def test_the_engine_publishes_typed_job_events_metrics_reports_and_the_fol
     engine = Engine(ws, drive=False)
     seen: list[Event] = []
     engine.subscribe(seen.append)
-    body = ("import time\nfrom engine.jobctx import JobContext\nctx = JobContext.from_env()\n"
+    body = ("import time\nfrom engine.jobs.context import JobContext\nctx = JobContext.from_env()\n"
             "print('hello from the job', flush=True)\nctx.progress(1, 4, unit='steps')\n"
             "ctx.event('paused', reason='disk')\nctx.event('finished', step=4, export='x')\n")
     job = engine.jobs.start("train", [sys.executable, "-c", body], cwd=Path(__file__).resolve().parents[1])

@@ -25,8 +25,8 @@ from eagle3_console.messages import EvaluationReportChanged, JobEventsArrived, J
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import job_state_colour
 from engine.evaluate import stats
-from engine.jobevents import Error, Progress
-from engine.jobs import ACTIVE_STATES, JobState
+from engine.jobs.events import Error, Progress
+from engine.jobs.manager import ACTIVE_STATES, JobState
 from engine.evaluate.report import (
     best_setting,
     fix_line,

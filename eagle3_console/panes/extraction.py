@@ -24,7 +24,7 @@ from eagle3_console.keys import scroll_bindings
 from eagle3_console.messages import DiskChanged, JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
-from engine.jobs import ACTIVE_STATES, JobState
+from engine.jobs.manager import ACTIVE_STATES, JobState
 
 HISTORY = 120  # rate samples kept for the sparklines (one per progress event, ~1/s)
 USER_PAUSE = "paused by the user"  # the reason engine.extract.job gives for the pause flag
@@ -38,7 +38,7 @@ def disk_gauge(usage, width: int, projected_used: int | None = None) -> list[str
     `projected_used`, the cells up to the usage expected at completion show as ▓, and a
     line says whether that projection stays clear of the reserve.
     """
-    from engine.disk import fmt_bytes
+    from engine.system.disk import fmt_bytes
 
     width = max(10, width)
     total = max(1, usage.total)
@@ -101,7 +101,7 @@ class ExtractionView:
     retries: int = 0
     server_down: str = ""
     result: str = ""
-    reason: str = ""  # why the job failed: its last error line (engine.jobs.JobInfo.reason)
+    reason: str = ""  # why the job failed: its last error line (engine.jobs.manager.JobInfo.reason)
     tok_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     mb_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
 

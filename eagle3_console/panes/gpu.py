@@ -18,7 +18,7 @@ from eagle3_console.gpuprocs import GpuProcessRow, attribute, process_lines, psu
 from eagle3_console.messages import GpuChanged, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import bar, clip, esc, level_colour, set_markup
-from engine.gpu import GpuSnapshot
+from engine.system.gpu import GpuSnapshot
 
 GIB = 2**30
 
@@ -92,7 +92,7 @@ def gpu_rows(snapshot, width: int, history: dict[int, "deque"] | None = None) ->
 
 def nccl_lines(preset: str, disable_nvls: bool, suggested: str | None) -> list[str]:
     """The preset and the NCCL variables a child process would get."""
-    from engine.nccl import build_child_env, effective_nccl_vars
+    from engine.system.nccl import build_child_env, effective_nccl_vars
 
     try:
         env = effective_nccl_vars(build_child_env(preset, disable_nvls=disable_nvls))
@@ -222,7 +222,7 @@ class GpuPane(Pane):
                           "[$text-muted]GPU rows appear here once NVML answers (driver loaded, GPUs visible).[/]")
             table.display = False
         else:
-            from engine.nccl import suggest_preset
+            from engine.system.nccl import suggest_preset
 
             first = snap.gpus[0]
             suggested = suggest_preset(first.compute_capability, snap.interconnect)

@@ -1,10 +1,10 @@
 """Jobs pane: every job of the workspace, and the live log of the selected one.
 
 The list (newest first) shows state, stage, age, progress, exit code and, for a job that failed,
-the reason (its last error line, engine.jobs.JobInfo.reason). Below it the selected job's log
+the reason (its last error line, engine.jobs.manager.JobInfo.reason). Below it the selected job's log
 follows its end like `tail -f` (`f` toggles), scrolls with j/k/PgUp/PgDn once focused (Tab), and
 `/` searches it (n / N: next / previous match). `S` stops the selected job (asks first) and `d`
-has a running job write its threads' stacks into this log (app actions, engine.jobs). The pane
+has a running job write its threads' stacks into this log (app actions, engine.jobs.manager). The pane
 reads no file: it asks the engine (FollowLog, through the app) to follow the selected job's log,
 and the engine sends the log's last lines whenever it grows (engine.watchers).
 """
@@ -26,7 +26,7 @@ from eagle3_console.keys import nav_bindings, scroll_bindings
 from eagle3_console.messages import FollowLog, JobEventsArrived, JobLogChanged, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import JOB_STATE_COLOURS, clip, esc, set_markup
-from engine.jobevents import Progress
+from engine.jobs.events import Progress
 
 EMPTY_TEXT = "no jobs yet: start one with [b]s[/b] on a stage (Pipeline) or its pane"
 LOG_LINES = 400  # lines of the selected job's log kept on screen

@@ -31,9 +31,9 @@ from eagle3_console.messages import JobEventsArrived, JobsChanged, TrainingMetri
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import esc, job_state_colour, set_markup
 from eagle3_console.strip import RateTracker
-from engine.disk import fmt_bytes
-from engine.jobevents import Error, Finished, Progress, Started, Stopped
-from engine.jobs import ACTIVE_STATES
+from engine.system.disk import fmt_bytes
+from engine.jobs.events import Error, Finished, Progress, Started, Stopped
+from engine.jobs.manager import ACTIVE_STATES
 
 CURVES = ("loss", "acc", "al")
 CURVE_TITLES = {"loss": "loss", "acc": "accuracy per position", "al": "simulated acceptance length"}

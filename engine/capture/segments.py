@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from engine.atomic import publish_via_path
+from engine.io.atomic import publish_via_path
 from engine.capture import stfile
-from engine.names import check_name
+from engine.io.names import check_name
 from engine.errors import EngineError
 
 FORMAT_NAME = "eagle3-console/capture-segment"

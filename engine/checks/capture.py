@@ -20,8 +20,8 @@ def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server
     import torch
 
     from engine.capture.segments import SegmentError, assemble
-    from engine.target import text_config
-    from engine.lmhead import LmHeadError, load_lm_head
+    from engine.model.target import text_config
+    from engine.model.lmhead import LmHeadError, load_lm_head
 
     hidden = int(text_config(model_dir)["hidden_size"])
     try:

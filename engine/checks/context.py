@@ -12,7 +12,7 @@ from engine.workspace import Workspace
 @dataclass
 class CheckContext:
     workspace: Workspace
-    # Returns a fresh engine.gpu.GpuSnapshot; injected so the console's sampler is reused.
+    # Returns a fresh engine.system.gpu.GpuSnapshot; injected so the console's sampler is reused.
     gpu_snapshot: Callable[[], object] | None = None
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
@@ -23,7 +23,7 @@ class CheckContext:
     def snapshot(self):
         if self.gpu_snapshot is not None:
             return self.gpu_snapshot()
-        from engine.gpu import GpuSampler
+        from engine.system.gpu import GpuSampler
 
         sampler = GpuSampler()
         try:

@@ -16,7 +16,7 @@ from engine.checks.context import CheckContext
 from engine.dataset.formats import BadLineError, DatasetError, LineTooLongError
 from engine.dataset.stats import DatasetStats, compute_stats, histogram_text
 from engine.dataset.tokenize import TokenizerError, load_tokenizer
-from engine.datastats import file_fingerprint, write_stats
+from engine.dataset.stats_cache import file_fingerprint, write_stats
 
 SHOW_BAD = 3
 METHOD_TEXT = {"generation": "the template's {% generation %} blocks",
@@ -52,7 +52,7 @@ def _ids_note(stats: DatasetStats) -> str:
 
 def _model_positions(model_dir: Path) -> int | None:
     """The target's max_position_embeddings, or None when unknown."""
-    from engine.target import TargetError, text_config
+    from engine.model.target import TargetError, text_config
 
     try:
         value = text_config(model_dir).get("max_position_embeddings")

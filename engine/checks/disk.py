@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
-from engine.disk import bytes_per_token, fmt_bytes, usage_for
+from engine.system.disk import bytes_per_token, fmt_bytes, usage_for
 
 GIB = 2**30
 
@@ -42,7 +42,7 @@ def _writable(label: str, path: Path, create: bool) -> CheckResult:
 
 def estimate_tokens(ctx: CheckContext) -> tuple[int, str]:
     """Tokens the extraction will capture: exact from the dataset stage if it ran, else estimated."""
-    from engine.datastats import load_cached_stats  # written by the dataset stage
+    from engine.dataset.stats_cache import load_cached_stats  # written by the dataset stage
 
     stats = load_cached_stats(ctx.workspace)
     if stats is not None:
@@ -57,7 +57,7 @@ def estimate_tokens(ctx: CheckContext) -> tuple[int, str]:
 def check_disk(ctx: CheckContext) -> list[CheckResult]:
     cfg = ctx.config
     ws = ctx.workspace
-    from engine.stagejobs import online_training
+    from engine.jobs.registry import online_training
 
     online = online_training(cfg)
     if online:
@@ -77,7 +77,7 @@ def check_disk(ctx: CheckContext) -> list[CheckResult]:
 
 def _window_budget(ctx: CheckContext) -> CheckResult:
     """Online/hybrid training: the disk holds the window (train.window_gb), not the whole extraction."""
-    from engine.target import TargetError, plan_target
+    from engine.model.target import TargetError, plan_target
     from engine.train.window import files_bytes, window_budget, window_dir
 
     cfg = ctx.config
@@ -131,7 +131,7 @@ def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, str]:
 
 
 def _budget(ctx: CheckContext) -> CheckResult:
-    from engine.target import TargetError, plan_target
+    from engine.model.target import TargetError, plan_target
 
     cfg = ctx.config
     try:

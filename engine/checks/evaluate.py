@@ -17,7 +17,7 @@ RUN_FIX = "run the evaluation: `eagle3-console run evaluate`"
 
 def _running(ws, job) -> str:
     """`evaluation running (job X)` plus its newest progress: requests x rounds done, running acceptance."""
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
 
     text = f"evaluation running (job {job.id})"
     try:
@@ -53,7 +53,7 @@ def check_evaluate(ctx: CheckContext) -> list[CheckResult]:
         verdict,
         verdict_kind,
     )
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
 
     ws = ctx.workspace
     active = JobManager(ws.jobs_dir).active("evaluate")

@@ -6,7 +6,7 @@ import json
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
-from engine.disk import fmt_bytes
+from engine.system.disk import fmt_bytes
 
 START_FIX = "start the extraction: `eagle3-console run extract` or `s` on the Extraction pane"
 
@@ -15,7 +15,7 @@ def check_extract(ctx: CheckContext) -> list[CheckResult]:
     from engine.extract.job import BAD_FIX, bad_summary
     from engine.extract.layout import COMPLETE
     from engine.extract.verify import check_run
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.records import RecordError, read_run_meta
 
     run_dir = ctx.workspace.hidden_dir

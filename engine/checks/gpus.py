@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine import nccl
+from engine.system import nccl
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
-from engine.disk import fmt_bytes
+from engine.system.disk import fmt_bytes
 
 NVML_FIX = ("run on the GPU box with the NVIDIA driver loaded (`nvidia-smi` must work); "
             "inside a container pass the GPUs through (--gpus all)")
@@ -34,7 +34,7 @@ def check_gpus(ctx: CheckContext) -> list[CheckResult]:
         names = sorted({g.name for g in snap.gpus})
         results.append(passed("visible", f"{count} GPU(s): {', '.join(names)}; needs {needed}"))
 
-    from engine.gpu import architecture_name
+    from engine.system.gpu import architecture_name
 
     caps = sorted({g.compute_capability for g in snap.gpus if g.compute_capability})
     if not caps:

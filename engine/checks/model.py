@@ -8,7 +8,7 @@ from pathlib import Path
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
 from engine.dataset.tokenize import chat_token_ids
-from engine.target import (SIZE_FIELDS, LayerIdRule, TargetError, config_sizes, layer_id_rule, plan_target,
+from engine.model.target import (SIZE_FIELDS, LayerIdRule, TargetError, config_sizes, layer_id_rule, plan_target,
                            text_config)
 
 

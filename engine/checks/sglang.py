@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import nccl
+from engine.system import nccl
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
 
@@ -38,7 +38,7 @@ def check_sglang_install(ctx: CheckContext) -> CheckResult:
 
 
 def check_gpu_quirks(ctx: CheckContext, snap=None) -> list[CheckResult]:
-    from engine.gpu import architecture_name
+    from engine.system.gpu import architecture_name
     from engine.sglang.launch import choose_attention_backend
 
     snap = snap if snap is not None else ctx.snapshot()

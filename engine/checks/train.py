@@ -56,7 +56,7 @@ def _failure(last: dict | None) -> str | None:
 def _mode_text(ctx: CheckContext) -> str:
     """Which mode trained the drafter (data.json beside it), or, before any run, what the configured mode
     will cost: prefill per epoch (at the last capture rate measured) against the disk an offline run needs."""
-    from engine.disk import fmt_bytes
+    from engine.system.disk import fmt_bytes
 
     try:
         note = json.loads((ctx.workspace.drafter_dir / "data.json").read_text())
@@ -76,8 +76,8 @@ def _mode_text(ctx: CheckContext) -> str:
 def _estimate(ctx: CheckContext) -> str:
     cfg = ctx.config
     from engine.checks.disk import estimate_tokens
-    from engine.disk import bytes_per_token, fmt_bytes
-    from engine.target import TargetError, plan_target
+    from engine.system.disk import bytes_per_token, fmt_bytes
+    from engine.model.target import TargetError, plan_target
     from engine.train.window import window_budget
 
     try:
@@ -99,7 +99,7 @@ def _estimate(ctx: CheckContext) -> str:
 
 
 def check_train(ctx: CheckContext) -> list[CheckResult]:
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.train import checkpoint as ckpt
     from engine.train.export import CONFIG, EXPORT_DIR, MANIFEST, SIGN_FIX, verify_export
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.checks.context import CheckContext
     from engine.checks.dataset import check_dataset
     from engine.config import ConfigError
-    from engine.datastats import load_cached_stats
+    from engine.dataset.stats_cache import load_cached_stats
     from engine.workspace import Workspace
 
     ws = Workspace(args.workspace)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.disk import fmt_bytes
-from engine.names import is_safe_name
+from engine.system.disk import fmt_bytes
+from engine.io.names import is_safe_name
 from engine.errors import EngineError
 
 FORMATS = ("auto", "messages", "sharegpt")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.atomic import append_line
+from engine.io.atomic import append_line
 from engine.dataset.formats import DatasetReader
 from engine.errors import EngineError
 
@@ -187,7 +187,7 @@ class _Reporter:
     """Progress to the job's events (inside a job) or to stderr (by hand)."""
 
     def __init__(self) -> None:
-        from engine.jobctx import JOB_DIR_ENV, JobContext
+        from engine.jobs.context import JOB_DIR_ENV, JobContext
 
         self.ctx = JobContext.from_env() if os.environ.get(JOB_DIR_ENV) else None
         self._last = 0.0
@@ -343,7 +343,7 @@ def start_regeneration_job(workspace, out: Path, jobs=None, **options: Any):
 
     Path problems are raised here (RegenerateError) before any process starts.
     """
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
 
     cfg = workspace.config.dataset
     input_path = options.get("input") or workspace.path(cfg.path)

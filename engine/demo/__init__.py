@@ -57,7 +57,7 @@ from engine.demo.corpus import (
     to_jsonl,
     write_demo_dataset,
 )
-from engine import atomic
+from engine.io import atomic
 
 DEMO_MODEL_NAME = "demo-target"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from engine import atomic
+from engine.io import atomic
 from engine.demo.corpus import read_conversations
 
 Progress = Callable[[str], None]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine import atomic
+from engine.io import atomic
 
 Message = dict[str, str]
 Conversation = list[Message]

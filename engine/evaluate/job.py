@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.evaluate.prompts import PromptError
     from engine.evaluate.sglang_eval import SglangEvalError
     from engine.evaluate.specdec import SpecDecodeError
-    from engine.jobctx import JobContext
+    from engine.jobs.context import JobContext
     from engine.workspace import Workspace
 
     parser = argparse.ArgumentParser(prog="python -m engine.evaluate")

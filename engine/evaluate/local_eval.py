@@ -72,8 +72,8 @@ def load_local(workspace, export_dir: Path, tokenizer) -> LocalSetup:
     from transformers import AutoModelForCausalLM
 
     from engine.evaluate.specdec import check_aux_layers
-    from engine.sdpa import avoid_cudnn_attention
-    from engine.target import TargetError, plan_target, served_layers
+    from engine.model.sdpa import avoid_cudnn_attention
+    from engine.model.target import TargetError, plan_target, served_layers
     from engine.train.export import ExportError, load_export
 
     cfg = workspace.config

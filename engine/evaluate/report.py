@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine import atomic
+from engine.io import atomic
 from engine.evaluate import stats
-from engine.jsonfile import read_json_object
+from engine.io.jsonfile import read_json_object
 from engine.errors import EngineError
 
 REPORT = "report.json"

@@ -155,7 +155,7 @@ class EvalServer:
 
     async def start(self, timeout: float) -> None:
         from engine.client import ServerClient
-        from engine.jobs import JobError
+        from engine.jobs.manager import JobError
         from engine.server.manager import ServerStartError, wait_until_ready
 
         try:
@@ -470,7 +470,7 @@ async def evaluate_sglang(workspace: Any, export_dir: Path, prompts: list[EvalPr
                           launch: Launch | None = None) -> dict[str, Any]:
     """The workspace's SGLang launch (capture off), plain and per speculative setting, measured at
     every evaluate.concurrency level; see measure_sglang. `launch` defaults to supervised jobs."""
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.server.manager import ServerManager
 
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.disk import fmt_bytes, usage_for
+from engine.system.disk import fmt_bytes, usage_for
 from engine.errors import EngineError
 
 

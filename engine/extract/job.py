@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.extract.layout import COMPLETE, PAUSE_FILE, RUN_LOCK, SPOOL_SESSIONS
-from engine import atomic
-from engine.disk import bytes_per_token, usage_for
+from engine.io import atomic
+from engine.system.disk import bytes_per_token, usage_for
 from engine.capture.stfile import tensor_bytes
 from engine.extract.commit import GroupCommit
 from engine.extract.guard import ExtractionRefused, low_space, require_fit
@@ -141,7 +141,7 @@ class Extractor:
 
     # -- setup
     def _target(self):
-        from engine.target import TargetError, workspace_plan
+        from engine.model.target import TargetError, workspace_plan
 
         try:
             return workspace_plan(self.ws)
@@ -178,7 +178,7 @@ class Extractor:
         from engine.client import ServerClient
         from engine.config import ConfigError
         from engine.server.drift import RESTART_FIX, describe, drift, reported_drift, wanted_spec
-        from engine.jobs import ACTIVE_STATES
+        from engine.jobs.manager import ACTIVE_STATES
         from engine.server.manager import ServerManager
 
         manager = ServerManager(self.ws)
@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from engine.config import ConfigError
-    from engine.jobctx import JobContext
+    from engine.jobs.context import JobContext
     from engine.workspace import Workspace
 
     parser = argparse.ArgumentParser(prog="python -m engine.extract")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from engine import nccl
+from engine.system import nccl
 
 
 def extraction_argv(workspace, limit: int | None = None) -> list[str]:

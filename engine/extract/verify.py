@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import atomic
+from engine.io import atomic
 from engine.records import MANIFEST, RecordEntry, read_manifest, verify_record
 
 DEEP_LIMIT_BYTES = 20 * 2**30  # above this, hash only the most recent records on resume

@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _num_layers_from_config(model_path: Path) -> int | None:
-    from engine.target import TargetError, text_config
+    from engine.model.target import TargetError, text_config
 
     try:
         value = text_config(model_path).get("num_hidden_layers")

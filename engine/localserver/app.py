@@ -38,7 +38,7 @@ from engine.errors import EngineError
 from engine.localserver.model_runner import ModelRunner
 from engine.localserver.requests import HEALTH_CHECK_RID_PREFIX, DoneEvent, GenRequest, TokenEvent
 from engine.localserver.sampling import SamplingParams
-from engine.names import UnsafeNameError, check_name
+from engine.io.names import UnsafeNameError, check_name
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
 _SAMPLING_KEYS = {

@@ -43,7 +43,7 @@ def check_model_dir(model_path: Path) -> None:
         raise ModelLoadError("does not exist")
     if not model_path.is_dir():
         raise ModelLoadError("is not a directory (expected a transformers model directory)")
-    from engine.target import TargetError, read_config
+    from engine.model.target import TargetError, read_config
 
     if not (model_path / "config.json").is_file():
         raise ModelLoadError("has no config.json (not a transformers model directory)")
@@ -80,7 +80,7 @@ def load_model(model_path: Path, requested_device: str, requested_dtype: str) ->
     if device == "cpu" and model.dtype == torch.float16:
         model = model.float()  # fp16 kernels are poor or missing on CPU
     model = model.to(device).eval()
-    from engine.sdpa import avoid_cudnn_attention
+    from engine.model.sdpa import avoid_cudnn_attention
 
     avoid_cudnn_attention(device)  # decode steps change the key length: no per-shape plan builds
     try:

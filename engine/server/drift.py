@@ -220,7 +220,7 @@ def drift(manager, info: dict | None = None) -> list[Difference]:
     """The differences between the server `manager` runs now and console.toml on disk; [] when no
     server of this workspace runs or console.toml cannot be read (its own checks say why)."""
     from engine.config import ConfigError
-    from engine.jobs import ACTIVE_STATES
+    from engine.jobs.manager import ACTIVE_STATES
 
     record = manager.record()
     job = manager.job()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
-from engine import nccl
+from engine.system import nccl
 from engine.server.spec import LaunchSpec
 
 
 def build_local_spec(workspace, capture: bool = True, port: int | None = None) -> LaunchSpec:
     from engine.config import ConfigError
-    from engine.target import TargetError, workspace_plan
+    from engine.model.target import TargetError, workspace_plan
 
     cfg = workspace.config
     model_dir = workspace.model_dir

@@ -1,6 +1,6 @@
 """The server process the engine owns: start detached, wait for readiness, poll, stop, restart.
 
-The server is a job of kind "server" (engine.jobs), so it survives the console. Which job
+The server is a job of kind "server" (engine.jobs.manager), so it survives the console. Which job
 is *the* server, and whether it should be running, is recorded in `<ws>/state/server.json`:
 a crash is a server that should run but does not.
 """
@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine import atomic
-from engine.jobs import ACTIVE_STATES, JobInfo, JobManager
+from engine.io import atomic
+from engine.jobs.manager import ACTIVE_STATES, JobInfo, JobManager
 from engine.server.local import build_spec
 from engine.server.spec import LaunchSpec
 from engine.errors import EngineError
@@ -315,7 +315,7 @@ class ServerManager:
 
     def _poll_files_key(self) -> tuple | None:
         """Identity (inode, size, mtime) of server.json and of the recorded job's job.json."""
-        from engine.jobctx import RECORD_FILE
+        from engine.jobs.context import RECORD_FILE
 
         def ident(path) -> tuple[int, int, int] | None:
             try:

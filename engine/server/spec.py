@@ -28,7 +28,7 @@ class LaunchSpec:
 
     def redacted_argv(self) -> list[str]:
         """argv with any API key replaced, safe to log and show."""
-        from engine.jobs import redact_argv
+        from engine.jobs.manager import redact_argv
 
         return redact_argv(self.argv)
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from engine.capture.segments import write_segment
-from engine.names import is_safe_name
+from engine.io.names import is_safe_name
 from engine.errors import EngineError
 
 logger = logging.getLogger("eagle3_console.capture_hook")

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine import nccl
+from engine.system import nccl
 from engine.server.spec import LaunchSpec
 from engine.sglang.versions import (
     UnsupportedSglangError,
@@ -50,7 +50,7 @@ def _profile(workspace, version: str | None) -> VersionProfile:
 
 def probe_compute_capability() -> tuple[int, int] | None:
     """Compute capability of the first GPU via NVML; None when NVML or GPUs are absent."""
-    from engine.gpu import GpuSampler
+    from engine.system.gpu import GpuSampler
 
     sampler = GpuSampler()
     try:
@@ -63,7 +63,7 @@ def probe_compute_capability() -> tuple[int, int] | None:
 
 def choose_attention_backend(configured: str, capability: tuple[int, int] | None) -> tuple[str | None, str]:
     """(backend to pass or None, note). The user's choice always wins."""
-    from engine.gpu import architecture_name
+    from engine.system.gpu import architecture_name
 
     if configured:
         return configured, f"attention backend {configured!r} (server.attention_backend)"
@@ -94,7 +94,7 @@ def _check_extra_args(workspace, extra: list[str], profile: VersionProfile, capt
 def build_sglang_spec(workspace, capture: bool = True, port: int | None = None, *, version: str | None = None,
                       compute_capability=_UNPROBED) -> LaunchSpec:
     """The SGLang launch for this workspace; ConfigError naming the fix for a config it cannot serve."""
-    from engine.target import TargetError, workspace_plan
+    from engine.model.target import TargetError, workspace_plan
 
     cfg = workspace.config
     profile = _profile(workspace, version)

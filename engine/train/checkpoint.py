@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine import atomic
+from engine.io import atomic
 from engine.records import all_finite, sha256_and_size, sha256_of
 from engine.errors import EngineError
 

@@ -7,7 +7,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from engine.config import ConfigError
-    from engine.jobctx import JobContext
+    from engine.jobs.context import JobContext
     from engine.train.data import TrainDataError
     from engine.train.loop import Trainer, TrainError, install_stop_handler
     from engine.workspace import Workspace

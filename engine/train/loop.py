@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from engine import atomic
-from engine.jsonl import dumps_line
-from engine.target import TargetError, plan_target, sglang_layer_ids
+from engine.io import atomic
+from engine.io.jsonl import dumps_line
+from engine.model.target import TargetError, plan_target, sglang_layer_ids
 from engine.train import checkpoint as ckpt
 from engine.train.data import BatchPrefetcher, RecordData, Teacher, TrainDataError
 from engine.train.loss import STAT_FIELDS, TTTModel, summarize
@@ -47,7 +47,7 @@ class TrainError(EngineError):
 def load_target_embedding(model_dir: Path) -> torch.Tensor:
     from safetensors import safe_open
 
-    from engine.lmhead import EMBED_NAMES, LmHeadError, tensor_files
+    from engine.model.lmhead import EMBED_NAMES, LmHeadError, tensor_files
 
     files = tensor_files(Path(model_dir))
     for name in EMBED_NAMES:
@@ -133,7 +133,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        from engine.lmhead import LmHeadError, load_lm_head
+        from engine.model.lmhead import LmHeadError, load_lm_head
         from engine.records import RecordError
 
         if self.world > 1 and not torch.distributed.is_initialized():
@@ -217,7 +217,7 @@ class Trainer:
         return self.cfg.mode in ("online", "hybrid")
 
     def _online_data(self):
-        from engine.target import TargetError, workspace_plan
+        from engine.model.target import TargetError, workspace_plan
         from engine.train.online import OnlineData
 
         if self.world > 1:

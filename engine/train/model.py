@@ -33,7 +33,7 @@ class DraftConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     # SGLang layer ids as exported (eagle_aux_hidden_state_layer_ids): per the target architecture's rule,
-    # not our layer numbers (engine/target.py).
+    # not our layer numbers (engine/model/target.py).
     aux_layers_sglang: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from engine import atomic
-from engine.disk import bytes_per_token
+from engine.io import atomic
+from engine.system.disk import bytes_per_token
 from engine.errors import EngineError
 from engine.records import (
     RecordEntry,

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from engine.disk import bytes_per_token
+from engine.system.disk import bytes_per_token
 from engine.errors import EngineError
 
 # A record's safetensors header (tensor names, dtypes, shapes, offsets, our metadata) is a few hundred
@@ -43,7 +43,7 @@ def window_budget(config) -> int:
 def last_capture_rate(workspace) -> float | None:
     """Tokens/s of capture last measured in this workspace: an online training job's producer rate, else an
     extraction's rate (the newest job that reported one); None before any."""
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
 
     for job in JobManager(workspace.jobs_dir).list():  # newest first
         if job.kind not in ("extract", "train"):

@@ -34,8 +34,8 @@ import psutil
 import pytest
 
 from tests.helpers.workspaces import make_workspace
-from engine.jobs import JobManager
-from engine.procinfo import is_same_process
+from engine.jobs.manager import JobManager
+from engine.system.procinfo import is_same_process
 from engine.workspace import WorkspaceLock
 from faults import ledger
 

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from tests.helpers.workspaces import make_workspace, write_conversations
-from engine.disk import fmt_bytes
+from engine.system.disk import fmt_bytes
 from faults import ledger
 
 MiB = 1 << 20

@@ -20,7 +20,7 @@ import sys
 from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.checks.base import Status
 from engine.checks.context import CheckContext
-from engine.disk import bytes_per_token, fmt_bytes
+from engine.system.disk import bytes_per_token, fmt_bytes
 from faults import ledger
 from faults.helpers import HIDDEN, tmpfs
 

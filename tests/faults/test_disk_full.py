@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from engine.atomic import append_line
+from engine.io.atomic import append_line
 from engine.config import set_value
 from engine.records import read_manifest
 from faults import ledger, zygote

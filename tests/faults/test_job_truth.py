@@ -30,7 +30,7 @@ from tests.helpers.screen import screen_text, wait_until
 from tests.helpers.workspaces import console_workspace, make_workspace, write_conversations
 from engine.config import set_value
 from engine.core import Engine
-from engine.jobs import JobManager
+from engine.jobs.manager import JobManager
 from engine.workspace import Workspace
 from faults import ledger
 from eagle3_console.app import ConsoleApp
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 WAITING_JOB = """
 import sys, time
 from pathlib import Path
-from engine.jobctx import JobContext
+from engine.jobs.context import JobContext
 ctx = JobContext.from_env()
 ctx.install_sigterm_handler()
 ctx.event("started", samples=400)

@@ -19,7 +19,7 @@ import psutil
 
 from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.config import set_value
-from engine.procinfo import is_same_process
+from engine.system.procinfo import is_same_process
 from engine.server.manager import ServerManager
 from faults import ledger, zygote
 from faults.helpers import SEED, check_complete, plan_ids

@@ -178,7 +178,7 @@ def test_a_learning_rate_that_is_not_finite_positive_is_refused_before_the_first
 def test_the_job_fails_names_the_step_and_writes_strict_json(tiny_model_dir, hidden_run, tmp_path):
     """The real job process (as `run train` starts it): failed state, rc 2, an error event naming the
     step, strict JSON in events.jsonl and metrics.jsonl."""
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
     from engine.train.launch import build_train_argv
     from engine.train.loop import NONFINITE_LIMIT
 

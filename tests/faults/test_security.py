@@ -148,7 +148,7 @@ def test_a_job_started_with_an_api_key_on_argv_does_not_record_it(tmp_path):
     """SGLang takes its key as --api-key on argv: the child gets it, job.json must not."""
     import sys
 
-    from engine.jobs import JobManager
+    from engine.jobs.manager import JobManager
 
     jobs = JobManager(tmp_path / "jobs")
     seen = tmp_path / "seen.json"

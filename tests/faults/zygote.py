@@ -18,9 +18,9 @@ from pathlib import Path
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.optim", "transformers",
            "transformers.models.llama", "tokenizers", "safetensors.torch", "httpx", "engine.extract.job",
            "engine.extract.plan", "engine.dataset", "engine.capture.segments", "engine.client",
-           "engine.server.manager", "engine.checks.model", "engine.lmhead", "engine.train.job", "engine.train.loop",
+           "engine.server.manager", "engine.checks.model", "engine.model.lmhead", "engine.train.job", "engine.train.loop",
            "engine.train.model", "engine.train.loss", "engine.train.attention", "engine.train.export",
-           "engine.jobctx", "faults.zygote"]
+           "engine.jobs.context", "faults.zygote"]
 ENTRIES = {"extract": "engine.extract.job", "train": "engine.train.job"}
 
 _ctx = None
@@ -37,7 +37,7 @@ def context():
 def _run(entry: str, argv: list[str], job_dir: str) -> None:
     import importlib
 
-    from engine.jobctx import JOB_DIR_ENV, LOG_FILE
+    from engine.jobs.context import JOB_DIR_ENV, LOG_FILE
 
     os.environ[JOB_DIR_ENV] = job_dir
     log = os.open(os.path.join(job_dir, LOG_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

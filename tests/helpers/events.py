@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.jobevents import JobEvent
+from engine.jobs.events import JobEvent
 
 SAMPLES = {"int": 7, "float": 1.5, "str": "text", "bool": True, "tuple": ("a", 1)}
 

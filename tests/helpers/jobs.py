@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 import time
 
-from engine.jobs import JobInfo, JobManager
+from engine.jobs.manager import JobInfo, JobManager
 from engine.workspace import Workspace
 
 PAUSED_EXTRACTION = """
 import time
-from engine.jobctx import JobContext
+from engine.jobs.context import JobContext
 ctx = JobContext.from_env()
 ctx.event("started", samples=40)
 ctx.progress(10, 40, eta_s=30, tokens_per_s=100.0)

@@ -16,11 +16,11 @@ from typing import Any
 
 from engine.checks.base import CheckResult, StageReport, StageState, Status
 from engine.core import Engine
-from engine.disk import DiskUsage
+from engine.system.disk import DiskUsage
 from engine.events import DiskUpdated, GpuUpdated, JobEvents, JobLogTail, JobsUpdated, ServerUpdated, StageUpdated
-from engine.jobevents import JobEvent, parse_many
-from engine.gpu import GpuSample, GpuSnapshot
-from engine.jobs import JobInfo, JobState
+from engine.jobs.events import JobEvent, parse_many
+from engine.system.gpu import GpuSample, GpuSnapshot
+from engine.jobs.manager import JobInfo, JobState
 from engine.pipeline import stages
 from engine.server.manager import ServerStatus
 from eagle3_console.app import ConsoleApp
@@ -42,7 +42,7 @@ def scene_parent(pid: int) -> int | None:
 
 
 def scene_processes(i: int) -> tuple:
-    from engine.gpu import GpuProcess
+    from engine.system.gpu import GpuProcess
 
     if i < 4:
         return (GpuProcess(5001 + i, "sglang::scheduler_TP" + str(i), 96 * GIB),)

@@ -20,7 +20,7 @@ class LmHeadError(EngineError):
 
 
 def _tied(model_dir: Path) -> bool:
-    from engine.target import TargetError, text_config
+    from engine.model.target import TargetError, text_config
 
     try:
         return bool(text_config(model_dir).get("tie_word_embeddings", False))

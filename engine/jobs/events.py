@@ -1,6 +1,6 @@
 """The job-event contract: one frozen dataclass per kind of line in a job's events.jsonl.
 
-A job reports through engine.jobctx.JobContext (`ctx.event("paused", reason=...)` or
+A job reports through engine.jobs.context.JobContext (`ctx.event("paused", reason=...)` or
 `ctx.emit(Paused(reason=...))`); the context writes each line from these classes
 (`JobEvent.to_dict`), and every reader (engine watchers, panes, CLI) gets them back through
 `parse_event`, the one parser. So a field's name and type live in one place: a writer that
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Mapping
 
 from engine.errors import EngineError
-from engine.jsonl import NONFINITE_TEXT
+from engine.io.jsonl import NONFINITE_TEXT
 
 RESERVED = ("t", "type")  # written by the job context itself
 _NONFINITE = set(NONFINITE_TEXT.values())

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from engine import nccl
+from engine.system import nccl
 
 
 def _env(workspace) -> dict[str, str]:

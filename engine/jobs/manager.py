@@ -1,6 +1,6 @@
 """Job manager: long work runs in detached, supervised processes that outlive the console.
 
-Each job lives in `<jobs_dir>/<job-id>/` (see engine.jobctx for the files). A manager
+Each job lives in `<jobs_dir>/<job-id>/` (see engine.jobs.context for the files). A manager
 holds no state that matters: a fresh one on the same folder re-attaches to running jobs,
 identifying their processes by pid AND create time (pids get reused).
 
@@ -26,9 +26,9 @@ from pathlib import Path
 from stat import S_ISREG
 from typing import Any, Generator, Mapping
 
-from engine.atomic import write_text
-from engine.jsonl import complete_objects
-from engine.jobctx import (
+from engine.io.atomic import write_text
+from engine.io.jsonl import complete_objects
+from engine.jobs.context import (
     EVENTS_FILE,
     JOB_DIR_ENV,
     LAST_LOG_LINES,
@@ -40,8 +40,8 @@ from engine.jobctx import (
     tail_lines,
     update_record,
 )
-from engine.names import check_name
-from engine.procinfo import is_same_process
+from engine.io.names import check_name
+from engine.system.procinfo import is_same_process
 from engine.errors import EngineError
 
 class JobState(str, enum.Enum):
@@ -79,7 +79,7 @@ POLL_S = 0.05
 STARTING_STALE_S = 60.0
 LOST_NOTE = "supervisor vanished; exit status unknown"
 
-# `python -m engine.supervise` must import `engine` whatever cwd the job asks for.
+# `python -m engine.jobs.supervise` must import `engine` whatever cwd the job asks for.
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -256,7 +256,7 @@ class JobManager:
         full_env.setdefault("PYTHONUNBUFFERED", "1")  # python jobs: the log shows output live
         with open(job_dir / LOG_FILE, "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.supervise", str(job_dir.resolve()), "--", *argv],
+                [sys.executable, "-m", "engine.jobs.supervise", str(job_dir.resolve()), "--", *argv],
                 cwd=_PACKAGE_ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
             )
@@ -385,7 +385,7 @@ class JobManager:
 
     def dump_stacks(self, job_id: str) -> builtins.list[int]:
         """Ask a running job to write every thread's stack to its log (SIGUSR1, see
-        engine.jobctx); returns the pids signalled. Under torchrun the ranks are signalled, never
+        engine.jobs.context); returns the pids signalled. Under torchrun the ranks are signalled, never
         torchrun itself (SIGUSR1 would kill it) nor anything below the ranks (compile workers)."""
         import psutil
 

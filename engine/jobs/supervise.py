@@ -1,4 +1,4 @@
-"""Detached job supervisor: `python -m engine.supervise <jobdir> -- <argv...>`.
+"""Detached job supervisor: `python -m engine.jobs.supervise <jobdir> -- <argv...>`.
 
 The job manager starts this in its own session (so a closed console or a dropped SSH
 link does not take it down). It runs the job's command in its own process group with
@@ -19,11 +19,11 @@ from types import FrameType
 
 import psutil
 
-from engine.jobctx import LAST_LOG_LINES, LOG_FILE, STOP_MARKER, read_record, tail_lines, update_record
-from engine.jobs import JobState
-from engine.procinfo import current_process_identity, process_start_ticks
+from engine.jobs.context import LAST_LOG_LINES, LOG_FILE, STOP_MARKER, read_record, tail_lines, update_record
+from engine.jobs.manager import JobState
+from engine.system.procinfo import current_process_identity, process_start_ticks
 
-USAGE = "usage: python -m engine.supervise <jobdir> -- <argv...>"
+USAGE = "usage: python -m engine.jobs.supervise <jobdir> -- <argv...>"
 
 
 def _raw_create_time(pid: int) -> float | None:

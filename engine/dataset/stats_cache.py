@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine import atomic
+from engine.io import atomic
 
 STATS_FILE = "dataset_stats.json"
 

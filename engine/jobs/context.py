@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from engine.atomic import append_line, write_json
-from engine.jsonfile import read_json_object
-from engine.jobevents import JobEvent, MalformedEvent, UnknownEvent, parse_event
-from engine.jsonl import dumps_line
+from engine.io.atomic import append_line, write_json
+from engine.io.jsonfile import read_json_object
+from engine.jobs.events import JobEvent, MalformedEvent, UnknownEvent, parse_event
+from engine.io.jsonl import dumps_line
 from engine.errors import EngineError
 
 JOB_DIR_ENV = "EAGLE3_JOB_DIR"
@@ -40,7 +40,7 @@ LOG_FILE = "log.txt"
 # supervisor knows the child got the signal too and does not send it a second time.
 STOP_MARKER = "stop.requested"
 LAST_LOG_LINES = 20
-# Set (to anything) in tests: an event outside the contract (a kind, a field, or a type engine.jobevents
+# Set (to anything) in tests: an event outside the contract (a kind, a field, or a type engine.jobs.events
 # does not name) raises in the job instead of being written with a note in its log.
 STRICT_EVENTS_ENV = "EAGLE3_STRICT_JOB_EVENTS"
 
@@ -120,7 +120,7 @@ class JobContext:
         return self.job_dir / EVENTS_FILE
 
     def event(self, type: str, /, **data: Any) -> None:
-        """Append one event of the contract in engine.jobevents (`type` is its KIND). Each call fsyncs,
+        """Append one event of the contract in engine.jobs.events (`type` is its KIND). Each call fsyncs,
         so report at a human rate (not per token). A non-finite number is written as text ("NaN",
         "Infinity"): the line stays strict JSON."""
         if "t" in data or "type" in data:
@@ -135,16 +135,16 @@ class JobContext:
             decoded = event.to_dict()
             if os.environ.get(STRICT_EVENTS_ENV) and (isinstance(event, UnknownEvent) or event.extra):
                 raise MalformedEvent(f"{type} event: kind or fields {sorted(event.extra)} are not named in "
-                                     "engine/jobevents.py; add them there")
+                                     "engine/jobs/events.py; add them there")
         except MalformedEvent as exc:
             if os.environ.get(STRICT_EVENTS_ENV):
                 raise
-            print(f"job event not per the contract (engine.jobevents), written as given: {exc}",
+            print(f"job event not per the contract (engine.jobs.events), written as given: {exc}",
                   file=sys.stderr, flush=True)
         append_line(self.events_path, dumps_line(decoded))
 
     def emit(self, event: JobEvent) -> None:
-        """Append one typed event (engine.jobevents), stamped with the time now."""
+        """Append one typed event (engine.jobs.events), stamped with the time now."""
         data = {k: v for k, v in event.to_dict().items() if k not in ("t", "type")}
         self.event(event.kind, **data)
 

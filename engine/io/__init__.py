@@ -1,0 +1,1 @@
+"""Files: atomic writes, JSON and JSONL helpers, safe names."""

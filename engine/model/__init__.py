@@ -1,0 +1,1 @@
+"""The target model: its plan (layers, numbering), LM head, attention backend choice."""

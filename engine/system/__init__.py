@@ -1,0 +1,1 @@
+"""The machine: GPUs, NCCL, disks, process identity."""
