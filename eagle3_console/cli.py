@@ -15,6 +15,7 @@ from pathlib import Path
 from eagle3_console.cli_data import add_data_parser, cmd_data
 from eagle3_console.cli_jobs import add_jobs_parser, cmd_jobs
 from eagle3_console.cliprint import (
+    event_line,
     fail,
     job_dict,
     job_line,
@@ -251,14 +252,12 @@ class RunPrinter:
         elif isinstance(item, runner.JobStarted):
             print(f"{item.stage}: job {item.job.id} (detached; Ctrl-C stops watching, not the job)", flush=True)
         elif isinstance(item, runner.JobProgress):
-            self.bar = progress_line(dict(item.event))
+            self.bar = progress_line(item.event)
             print("\r" + self.bar, end="", flush=True)
         elif isinstance(item, runner.JobEventRead):
-            if item.kind == "finished" and item.event.get("table"):
-                self._line(str(item.event["table"]))
-            elif item.kind != "metrics":
-                detail = {k: v for k, v in item.event.items() if k not in ("t", "type")}
-                self._line(f"  [{item.kind}] {json.dumps(detail)[:200]}")
+            line = event_line(item.event)
+            if line is not None:
+                self._line(line)
         elif isinstance(item, runner.JobEnded):
             job = item.job
             print(f"\njob {job.id} {job.state} (exit {job.exit_code})")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from eagle3_console.fmt import finite
+from engine.io.jsonl import finite_or_text
 from engine.jobs.context import EVENTS_FILE
-from engine.jobs.events import FINAL_KINDS, JobEvent, Paused, Progress, Resumed, parse_event
+from engine.jobs.events import FINAL_KINDS, Finished, JobEvent, Paused, Progress, Resumed
 
 
 def fail(message: str, code: int = 2) -> int:
@@ -20,12 +22,8 @@ def workspace_arg(args) -> str | None:
     return getattr(args, "workspace", None)
 
 
-def progress_line(event: Progress | Mapping[str, Any]) -> str:
-    """A progress event as a one-line bar (a mapping is read as a progress line of events.jsonl)."""
-    if not isinstance(event, Progress):
-        parsed = parse_event({**event, "type": "progress"})
-        assert isinstance(parsed, Progress)
-        event = parsed
+def progress_line(event: Progress) -> str:
+    """A progress event as a one-line bar."""
     done, total = event.done or 0, event.total or 0
     frac = done / total if total else 0.0
     bar = "█" * int(30 * frac) + "░" * (30 - int(30 * frac))
@@ -37,6 +35,18 @@ def progress_line(event: Progress | Mapping[str, Any]) -> str:
     if event.paused:
         extra.append(f"PAUSED: {event.paused}")
     return f"  {bar} {done}/{total} " + " ".join(extra)
+
+
+def event_line(event: JobEvent) -> str | None:
+    """Any other event of a followed job as `run` prints it: an evaluation's table, or `[kind] {fields}` as
+    the line was written (non-finite numbers as their text); None for a `metrics` line (no job of this
+    version writes one; the CLI never printed them)."""
+    if isinstance(event, Finished) and event.table:
+        return event.table
+    if event.kind == "metrics":
+        return None
+    detail = {k: v for k, v in event.to_dict().items() if k not in ("t", "type")}
+    return f"  [{event.kind}] {json.dumps(finite_or_text(detail))[:200]}"
 
 
 def job_dict(job, with_progress: bool = False) -> dict:

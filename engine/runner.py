@@ -9,11 +9,12 @@ the watching, never the job.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.checks.base import StageReport, StageState
+from engine.jobs.events import JobEvent, Progress
 from engine.jobs.manager import JobInfo
 from engine.pipeline import get_stage, last_failure
 
@@ -74,16 +75,19 @@ class JobProgress:
     """A `progress` event of the followed job (done, total, tokens_per_s, eta_s, paused, ...)."""
 
     job_id: str
-    event: Mapping[str, Any]
+    event: Progress
 
 
 @dataclass(frozen=True)
 class JobEventRead:
-    """Any other event of the followed job (started, metrics, paused, finished with its table, ...)."""
+    """Any other event of the followed job (started, paused, finished with its table, ...), typed."""
 
     job_id: str
-    kind: str
-    event: Mapping[str, Any]
+    event: JobEvent
+
+    @property
+    def kind(self) -> str:
+        return self.event.kind
 
 
 @dataclass(frozen=True)
@@ -158,17 +162,19 @@ async def follow_job(engine: Engine, job_id: str) -> AsyncIterator[StageProgress
     jobs = engine.jobs
     offset = 0
     while True:
-        events, offset = await asyncio.to_thread(jobs.events, job_id, offset)
+        events, offset = await asyncio.to_thread(jobs.read_events, job_id, offset)
         for event in events:
-            kind = str(event.get("type"))
-            yield JobProgress(job_id, event) if kind == "progress" else JobEventRead(job_id, kind, event)
+            yield _item(job_id, event)
         info = await asyncio.to_thread(jobs.get, job_id)
         if not info.active:
             # Events written between the last read and the end: read them before saying it ended.
-            events, offset = await asyncio.to_thread(jobs.events, job_id, offset)
+            events, offset = await asyncio.to_thread(jobs.read_events, job_id, offset)
             for event in events:
-                kind = str(event.get("type"))
-                yield JobProgress(job_id, event) if kind == "progress" else JobEventRead(job_id, kind, event)
+                yield _item(job_id, event)
             yield JobEnded(info)
             return
         await asyncio.sleep(FOLLOW_POLL_S)
+
+
+def _item(job_id: str, event: JobEvent) -> JobProgress | JobEventRead:
+    return JobProgress(job_id, event) if isinstance(event, Progress) else JobEventRead(job_id, event)

@@ -155,8 +155,28 @@ def test_check_shows_a_running_job_and_run_refuses_red_prerequisites(tmp_path):
 def test_progress_lines_take_non_finite_numbers():
     """A diverged job's events carry NaN/Infinity (as numbers from older files, as text now)."""
     from eagle3_console.cliprint import progress_line
+    from engine.jobs.events import parse_event
+
+    def line_of(**fields) -> str:
+        return progress_line(parse_event({"type": "progress", **fields}))
 
     for eta in (float("nan"), float("inf"), "NaN", "Infinity", None):
-        line = progress_line({"done": 3, "total": 8, "eta_s": eta, "tokens_per_s": 10.0})
+        line = line_of(done=3, total=8, eta_s=eta, tokens_per_s=10.0)
         assert "3/8" in line and "ETA" not in line
-    assert "ETA 12s" in progress_line({"done": 3, "total": 8, "eta_s": 12.4})
+    assert "ETA 12s" in line_of(done=3, total=8, eta_s=12.4)
+
+
+def test_run_prints_other_events_as_written():
+    """`run` prints a followed job's other events from the typed contract: the fields as the job wrote them
+    (a non-finite number as its text, an unknown kind whole), an evaluation's table alone."""
+    from eagle3_console.cliprint import event_line
+    from engine.jobs.events import parse_event
+
+    paused = parse_event({"t": 1.0, "type": "paused", "reason": "output disk below reserve"})
+    assert event_line(paused) == '  [paused] {"reason": "output disk below reserve"}'
+    nonfinite = parse_event({"type": "nonfinite", "step": 4, "loss": "NaN", "grad_norm": "Infinity", "note": 1})
+    assert event_line(nonfinite) == '  [nonfinite] {"step": 4, "loss": "NaN", "grad_norm": "Infinity", "note": 1}'
+    assert event_line(parse_event({"type": "shiny", "x": [1, 2]})) == '  [shiny] {"x": [1, 2]}'
+    assert event_line(parse_event({"type": "finished", "table": "a | b", "speedup": 1.5})) == "a | b"
+    assert event_line(parse_event({"type": "finished", "samples": 6})) == '  [finished] {"samples": 6}'
+    assert event_line(parse_event({"type": "metrics", "step": 1})) is None

@@ -67,7 +67,7 @@ def test_run_stages_starts_the_server_and_follows_the_extraction(tiny_chat_model
     ended = next(i for i in items if isinstance(i, runner.JobEnded))
     assert started.stage == "extract" and ended.job.id == started.job.id and ended.job.state == "succeeded"
     progress = [i.event for i in items if isinstance(i, runner.JobProgress)]
-    assert progress and progress[-1]["done"] == progress[-1]["total"] == N_CONVERSATIONS
+    assert progress and progress[-1].done == progress[-1].total == N_CONVERSATIONS  # typed (engine.jobs.events)
     kinds = [i.kind for i in items if isinstance(i, runner.JobEventRead)]
     assert "started" in kinds and "finished" in kinds, kinds
     assert all(i.job_id == started.job.id for i in items if isinstance(i, (runner.JobProgress, runner.JobEventRead)))
@@ -83,6 +83,7 @@ def test_run_stages_starts_the_server_and_follows_the_extraction(tiny_chat_model
     at = [next(n for n, line in enumerate(lines) if line.startswith(want)) for want in order]
     assert at == sorted(at), out
     assert f"{N_CONVERSATIONS}/{N_CONVERSATIONS}" in out and "\r" in out  # the bar, redrawn in place
+    assert f'  [started] {{"samples": {N_CONVERSATIONS}, ' in out, out  # other events: fields as written
 
 
 def test_run_stages_stops_at_a_red_prerequisite_with_its_fix(tmp_path, tiny_chat_model_dir):

@@ -133,3 +133,67 @@ def test_strict_mode_makes_an_event_outside_the_contract_fail_in_the_job(tmp_pat
         with pytest.raises(MalformedEvent):
             ctx.event(kind, **data)
     assert len((tmp_path / "events.jsonl").read_text().splitlines()) == 1
+
+
+def _run_job(jobs: JobManager, kind: str, body: str):
+    job = jobs.start(kind, [sys.executable, "-c", textwrap.dedent(body)], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while jobs.get(job.id).active and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert jobs.get(job.id).state == "succeeded", jobs.tail(job.id, 20)
+    return job
+
+
+def test_the_manager_reads_a_jobs_events_typed_from_an_offset(tmp_path):
+    """JobManager.read_events, how the runner and the stage checks follow a job: typed events of the complete
+    lines after the offset, a line that breaks the contract skipped, a torn last line left for the next read."""
+    from engine.jobs.events import Resumed, Started
+
+    jobs = JobManager(tmp_path / "jobs")
+    job = _run_job(jobs, "extract", """
+        from engine.jobs.context import JobContext
+        ctx = JobContext.from_env()
+        ctx.event("started", samples=2)
+        ctx.progress(1, 2, tokens_per_s=5.0)
+        with open(ctx.events_path, "ab") as f:  # a line against the contract, then one being written
+            f.write(b'{"type":"progress","done":"three"}\\n{"type":"resu')
+    """)
+    events, offset = jobs.read_events(job.id)
+    assert [type(e) for e in events] == [Started, Progress] and isinstance(events, tuple)
+    assert events[0].samples == 2 and events[1].tokens_per_s == 5.0 and isinstance(events[1].t, float)
+    size = (job.dir / "events.jsonl").stat().st_size
+    assert offset == size - len(b'{"type":"resu') == jobs.events(job.id)[1]  # the raw reader's bytes, the same
+    assert jobs.read_events(job.id, offset) == ((), offset)
+    with open(job.dir / "events.jsonl", "ab") as f:
+        f.write(b'med"}\n')
+    events, end = jobs.read_events(job.id, offset)
+    assert events == (Resumed(),) and end == size + len(b'med"}\n')
+    assert jobs.read_events(job.id, end) == ((), end)
+
+
+def test_last_capture_rate_reads_the_newest_finite_rate_typed(tmp_path):
+    """engine.train.window.last_capture_rate (how online training sizes its window): the newest job's last
+    finite positive rate, a non-finite one (written as text) passed over, other kinds' lines ignored."""
+    from types import SimpleNamespace
+
+    from engine.train.window import last_capture_rate
+
+    ws = SimpleNamespace(jobs_dir=tmp_path / "jobs")
+    jobs = JobManager(ws.jobs_dir)
+    assert last_capture_rate(ws) is None
+    _run_job(jobs, "extract", """
+        from engine.jobs.context import JobContext
+        ctx = JobContext.from_env()
+        ctx.progress(1, 4, tokens_per_s=120.0)
+        ctx.progress(2, 4, tokens_per_s=float("nan"))
+        ctx.progress(3, 4, tokens_per_s=float("inf"))
+        ctx.event("paused", reason="disk")
+    """)
+    assert last_capture_rate(ws) == 120.0
+    _run_job(jobs, "train", """
+        from engine.jobs.context import JobContext
+        ctx = JobContext.from_env()
+        ctx.progress(1, 9, capture_tokens_per_s=300.0, tokens_per_s=1.0)
+        ctx.progress(2, 9, unit="steps")
+    """)
+    assert last_capture_rate(ws) == 300.0

@@ -7,6 +7,7 @@ measurement cannot tell). A report of another export or target is amber "stale".
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from engine.checks.base import CheckResult, failed, passed, warned
@@ -17,25 +18,26 @@ RUN_FIX = "run the evaluation: `eagle3-console run evaluate`"
 
 def _running(ws, job) -> str:
     """`evaluation running (job X)` plus its newest progress: requests x rounds done, running acceptance."""
+    from engine.jobs.events import Progress
     from engine.jobs.manager import JobManager
 
     text = f"evaluation running (job {job.id})"
     try:
-        events, _ = JobManager(ws.jobs_dir).events(job.id)
+        events, _ = JobManager(ws.jobs_dir).read_events(job.id)
     except Exception:  # progress is a courtesy; the job's state is the fact
         return text
-    last = next((e for e in reversed(events) if e.get("type") == "progress"), None)
+    last = next((e for e in reversed(events) if isinstance(e, Progress)), None)
     if last is None:
         return text
-    parts = [f"{last.get('done')}/{last.get('total')} {last.get('unit') or 'requests x rounds'}"]
-    if last.get("concurrency") is not None:
-        parts.append(f"concurrency {last['concurrency']} round {last.get('round')}/{last.get('rounds')}")
-    if last.get("setting"):  # SGLang backend: the server measured now
-        parts.append(f"server {last['setting']}")
-    if isinstance(last.get("acceptance_length"), (int, float)):
-        parts.append(f"acceptance length so far {last['acceptance_length']:.2f}")
-    if isinstance(last.get("speedup"), (int, float)):
-        parts.append(f"median speedup so far {last['speedup']:.2f}×")
+    parts = [f"{last.done}/{last.total} {last.unit or 'requests x rounds'}"]
+    if last.concurrency is not None:
+        parts.append(f"concurrency {last.concurrency} round {last.round}/{last.rounds}")
+    if last.setting:  # SGLang backend: the server measured now
+        parts.append(f"server {last.setting}")
+    if last.acceptance_length is not None and math.isfinite(last.acceptance_length):
+        parts.append(f"acceptance length so far {last.acceptance_length:.2f}")
+    if last.speedup is not None and math.isfinite(last.speedup):
+        parts.append(f"median speedup so far {last.speedup:.2f}×")
     return text + ": " + ", ".join(parts)
 
 

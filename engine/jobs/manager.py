@@ -28,6 +28,7 @@ from typing import Any, Generator, Mapping
 
 from engine.io.atomic import write_text
 from engine.io.jsonl import complete_objects
+from engine.jobs.events import JobEvent, parse_lines
 from engine.jobs.context import (
     EVENTS_FILE,
     JOB_DIR_ENV,
@@ -365,21 +366,31 @@ class JobManager:
     def tail(self, job_id: str, n: int = 50) -> builtins.list[str]:
         return tail_lines(self._job_dir(job_id) / LOG_FILE, n)
 
-    def events(self, job_id: str, since_offset: int = 0) -> tuple[builtins.list[dict[str, Any]], int]:
-        """Complete events after byte `since_offset`, and the offset to pass next time.
+    def read_events(self, job_id: str, since_offset: int = 0) -> tuple[tuple[JobEvent, ...], int]:
+        """The typed events (engine.jobs.events) of the complete lines after byte `since_offset`, and the
+        offset to pass next time: how product code reads a job's events.
 
-        A line still being written (no newline yet) is left for the next call; a
-        complete line that is not a JSON object is skipped (it stays in the file).
+        A line still being written (no newline yet) is left for the next call; a complete line that breaks
+        the contract is skipped (it stays in the file; the engine's watcher logs why).
         """
-        path = self._job_dir(job_id) / EVENTS_FILE
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(since_offset)
-                data = handle.read()
-        except FileNotFoundError:
-            return [], since_offset
-        events, used = complete_objects(data)
+        data = self._events_after(job_id, since_offset)
+        events, _skipped, used = parse_lines(data)
+        return tuple(events), since_offset + used
+
+    def events(self, job_id: str, since_offset: int = 0) -> tuple[builtins.list[dict[str, Any]], int]:
+        """The raw JSON objects after byte `since_offset` (tests and bench read the file as written; product
+        code reads `read_events`). A complete line that is not a JSON object is skipped."""
+        events, used = complete_objects(self._events_after(job_id, since_offset))
         return events, since_offset + used
+
+    def _events_after(self, job_id: str, since_offset: int) -> bytes:
+        """events.jsonl from byte `since_offset` to its end (b"" while the job has written none)."""
+        try:
+            with open(self._job_dir(job_id) / EVENTS_FILE, "rb") as handle:
+                handle.seek(since_offset)
+                return handle.read()
+        except FileNotFoundError:
+            return b""
 
     # ---- looking inside -------------------------------------------------------------
 

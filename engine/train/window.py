@@ -11,7 +11,6 @@ what is written, so the bytes on disk never exceed what is reserved."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from engine.errors import EngineError
 # bytes; this bounds it from above.
 HEADER_BYTES = 1024
 GB = 10**9  # window_gb is in decimal gigabytes: 0.005 is 5,000,000 bytes
+CAPTURE_RATE_TAIL_BYTES = 256 * 1024  # the end of a job's events.jsonl: its last few hundred lines
 
 
 class WindowClosed(EngineError):
@@ -43,23 +43,18 @@ def window_budget(config) -> int:
 def last_capture_rate(workspace) -> float | None:
     """Tokens/s of capture last measured in this workspace: an online training job's producer rate, else an
     extraction's rate (the newest job that reported one); None before any."""
+    from engine.jobs.context import EVENTS_FILE
+    from engine.jobs.events import Progress
     from engine.jobs.manager import JobManager
+    from engine.watchers import last_events
 
     for job in JobManager(workspace.jobs_dir).list():  # newest first
         if job.kind not in ("extract", "train"):
             continue
-        try:
-            lines = (job.dir / "events.jsonl").read_text().splitlines()
-        except OSError:
-            continue
         key = "capture_tokens_per_s" if job.kind == "train" else "tokens_per_s"
-        for line in reversed(lines[-400:]):
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            value = event.get(key) if isinstance(event, dict) and event.get("type") == "progress" else None
-            if isinstance(value, (int, float)) and value > 0:
+        for event in reversed(last_events(job.dir / EVENTS_FILE, CAPTURE_RATE_TAIL_BYTES)):
+            value = getattr(event, key) if isinstance(event, Progress) else None
+            if value is not None and 0 < value < float("inf"):  # NaN compares false
                 return float(value)
     return None
 
