@@ -24,6 +24,22 @@ from eagle3_console.keys import scroll_bindings
 from eagle3_console.messages import DiskChanged, JobEventsArrived, JobsChanged
 from eagle3_console.panes.base import Pane
 from eagle3_console.render import clip, esc, set_markup
+from engine.jobs.events import (
+    BadSample,
+    Error,
+    Finished,
+    Incomplete,
+    JobEvent,
+    Paused,
+    Planning,
+    Progress,
+    Resumed,
+    Retry,
+    ServerDown,
+    ServerUp,
+    Started,
+    Stopped,
+)
 from engine.jobs.manager import ACTIVE_STATES, JobState
 
 HISTORY = 120  # rate samples kept for the sparklines (one per progress event, ~1/s)
@@ -105,54 +121,53 @@ class ExtractionView:
     tok_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     mb_history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
 
-    def apply(self, event: dict) -> None:
-        kind = event.get("type")
-        if kind == "progress":
+    def apply(self, event: JobEvent) -> None:
+        if isinstance(event, Progress):
             for key in ("done", "total", "tokens", "total_tokens", "bytes", "bad"):
-                if isinstance(event.get(key), (int, float)) and finite(event[key]) is not None:
-                    setattr(self, key, int(event[key]))
+                if (value := finite(getattr(event, key))) is not None:
+                    setattr(self, key, int(value))
             # NaN/inf (logged as "NaN"/"Infinity") read as unknown: "?" and a zero in the sparkline.
-            self.tokens_per_s = finite(event.get("tokens_per_s"))
-            self.mb_per_s = finite(event.get("mb_per_s"))
-            self.eta_s = finite(event.get("eta_s"))
-            self.paused = str(event.get("paused") or "")
-            self.output_mount = str(event.get("output_mount") or self.output_mount)
+            self.tokens_per_s = finite(event.tokens_per_s)
+            self.mb_per_s = finite(event.mb_per_s)
+            self.eta_s = finite(event.eta_s)
+            self.paused = event.paused or ""
+            self.output_mount = event.output_mount or self.output_mount
             self.tok_history.append(float(self.tokens_per_s or 0.0))
             self.mb_history.append(float(self.mb_per_s or 0.0))
             if self.phase in ("", "planning", "running", "paused"):
                 self.phase = "paused" if self.paused else "running"
-        elif kind == "planning":
+        elif isinstance(event, Planning):
             self.phase = "planning"
-        elif kind == "started":
+        elif isinstance(event, Started):
             self.phase = "running"
-            self.total = int(finite(event.get("samples")) or self.total)
-            self.budget = str(event.get("budget") or "")
-            self.truncated = int(finite(event.get("truncated")) or 0)
-            self.resumed = int(finite(event.get("resumed")) or 0)
-        elif kind == "paused":
-            self.phase, self.paused = "paused", str(event.get("reason") or "paused")
-        elif kind == "resumed":
+            self.total = int(finite(event.samples) or self.total)
+            self.budget = event.budget or ""
+            self.truncated = int(finite(event.truncated) or 0)
+            self.resumed = int(finite(event.resumed) or 0)
+        elif isinstance(event, Paused):
+            self.phase, self.paused = "paused", event.reason or "paused"
+        elif isinstance(event, Resumed):
             self.phase, self.paused = "running", ""
-        elif kind == "bad_sample":
-            self.last_bad = f"{event.get('id', '?')}: {event.get('reason', '')}"
-        elif kind == "retry":
+        elif isinstance(event, BadSample):
+            self.last_bad = f"{_or(event.id, '?')}: {_or(event.reason, '')}"
+        elif isinstance(event, Retry):
             self.retries += 1
-        elif kind == "server_down":
-            self.server_down = str(event.get("url") or "server")
-        elif kind == "server_up":
+        elif isinstance(event, ServerDown):
+            self.server_down = event.url or "server"
+        elif isinstance(event, ServerUp):
             self.server_down = ""
-        elif kind == "finished":
+        elif isinstance(event, Finished):
             self.phase = "finished"
-            self.result = f"finished: {event.get('samples', '?')} samples, {fmt_count(event.get('tokens'))} tokens"
-        elif kind == "stopped":
+            self.result = f"finished: {_or(event.samples, '?')} samples, {fmt_count(event.tokens)} tokens"
+        elif isinstance(event, Stopped):
             self.phase = "stopped"
-            self.result = f"stopped at {event.get('done', '?')}/{event.get('total', '?')}; start again to resume"
-        elif kind == "incomplete":
+            self.result = f"stopped at {_or(event.done, '?')}/{_or(event.total, '?')}; start again to resume"
+        elif isinstance(event, Incomplete):
             self.phase = "incomplete"
-            self.result = f"incomplete: {event.get('count', '?')} samples missing; start again to redo them"
-        elif kind == "error":
+            self.result = f"incomplete: {_or(event.count, '?')} samples missing; start again to redo them"
+        elif isinstance(event, Error):
             self.phase = "error"
-            self.result = f"error: {event.get('message', '')}"
+            self.result = f"error: {_or(event.message, '')}"
 
     @property
     def remaining_bytes(self) -> int | None:
@@ -162,17 +177,21 @@ class ExtractionView:
         return int(self.bytes / self.tokens * max(0, self.total_tokens - self.tokens))
 
 
-def notice_for(event: dict) -> tuple[SeverityLevel, str] | None:
+def _or(value: object, default: str) -> object:
+    """A field as the pane shows it: `default` where the job did not write it."""
+    return default if value is None else value
+
+
+def notice_for(event: JobEvent) -> tuple[SeverityLevel, str] | None:
     """(severity, text) for events worth a notification the engine does not send itself."""
-    kind = event.get("type")
-    if kind == "finished":
-        return "information", f"extraction finished: {event.get('samples', '?')} samples, bad {event.get('bad', 0)}"
-    if kind == "error":
-        return "error", f"extraction failed: {event.get('message', '')}"
-    if kind == "incomplete":
-        return "warning", f"extraction incomplete: {event.get('count', '?')} samples missing"
-    if kind == "bad_sample":
-        return "warning", f"bad sample {event.get('id', '?')}: {event.get('reason', '')}"
+    if isinstance(event, Finished):
+        return "information", f"extraction finished: {_or(event.samples, '?')} samples, bad {_or(event.bad, '0')}"
+    if isinstance(event, Error):
+        return "error", f"extraction failed: {_or(event.message, '')}"
+    if isinstance(event, Incomplete):
+        return "warning", f"extraction incomplete: {_or(event.count, '?')} samples missing"
+    if isinstance(event, BadSample):
+        return "warning", f"bad sample {_or(event.id, '?')}: {_or(event.reason, '')}"
     return None
 
 
@@ -262,13 +281,13 @@ class ExtractionPane(Pane):
             return
         if message.job_id != self.view.job_id:
             self.view = ExtractionView(job_id=message.job_id)  # its state comes with the next job list
-        for event in (e.to_dict() for e in message.events):  # this view still reads the dict form
+        for event in message.events:
             self.view.apply(event)
             if self.pause_requested is not None and self.user_paused == self.pause_requested:
                 self.pause_requested = None  # the job did what was asked
             notice = notice_for(event)
             # History replayed on attach is not news: only events newer than this console notify.
-            if notice and float(event.get("t") or 0) >= self.mounted_at - 1:
+            if notice and (event.t or 0.0) >= self.mounted_at - 1:
                 self.app.notify(notice[1], severity=notice[0], timeout=8 if notice[0] != "error" else 15)
         self._render_view()
         self._render_gauges()

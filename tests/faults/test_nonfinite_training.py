@@ -322,10 +322,12 @@ def test_the_other_panes_take_nonfinite_numbers():
         assert "╌" in bar(value, 10)  # an unknown value: the muted track
         assert level_colour(value, 80, 95) == "$text-muted"
     assert spark_text([50.0, math.nan, math.inf, 100.0], 4) == spark_text([50.0], 1) + "  █"
+    from engine.jobs.events import parse_event
+
     view = ExtractionView()
-    view.apply({"type": "started", "samples": 40, "truncated": math.nan})
-    for value in (math.nan, "NaN", "Infinity", math.inf):
-        view.apply({"type": "progress", "done": 10, "total": 40, "tokens": value, "bytes": value,
-                    "tokens_per_s": value, "mb_per_s": value, "eta_s": value})
+    view.apply(parse_event({"type": "started", "samples": 40}))
+    for value in (math.nan, "NaN", "Infinity", math.inf):  # read by the contract as the pane gets them
+        view.apply(parse_event({"type": "progress", "done": 10, "total": 40, "tokens_per_s": value,
+                                "mb_per_s": value, "eta_s": value}))
     assert (view.total, view.done, view.tokens_per_s, view.mb_per_s, view.eta_s) == (40, 10, None, None, None)
     assert list(view.tok_history) == [0.0] * 4 and view.remaining_bytes is None
