@@ -1,7 +1,8 @@
 """The shape of the code: no import cycle between the product's modules, and no module reaches into
 another's privates (`_name`): neither imports one nor calls one on an object. Read from the sources with `ast`
 (imports inside functions count too: a lazy import that closes a cycle is still a cycle; imports under
-`if TYPE_CHECKING:` do not: they never run, they only name a type for the checker)."""
+`if TYPE_CHECKING:` do not: they never run, they only name a type for the checker). And a job's events.jsonl
+is decoded in one place (engine.jobs.events): every other module reads its typed events."""
 
 from __future__ import annotations
 
@@ -207,3 +208,65 @@ def test_no_module_calls_a_private_of_another_modules_object():
     public surface, named so, and a change to a private stays inside its module."""
     sources = {module: path.read_text(encoding="utf-8") for module, path in MODULES.items()}
     assert private_reaches(sources) == [], "give the method a public name where it is defined and update its callers"
+
+
+# Modules whose `["type"]` is not a job event's (job events are read typed, engine.jobs.events).
+NOT_JOB_EVENTS = {
+    "engine.checks.train": "metrics.jsonl's closing `failed` line (engine.train.loop)",
+    "eagle3_console.panes.training": "metrics.jsonl's records (engine.train.loop)",
+    "engine.dataset.regenerate": "an SGLang reply's finish_reason",
+    "engine.dataset.formats": "a chat message's content parts",
+    "engine.localserver.app": "an ASGI scope",
+}
+
+
+def _reads_type(node: ast.AST) -> bool:
+    """`x["type"]` (read) or `x.get("type", ...)`."""
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "type"
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+            and bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value == "type")
+
+
+def raw_event_reads(sources: dict[str, str]) -> list[str]:
+    """`module:line what` for each place outside engine.jobs that reads a job's events itself: calls the
+    dict reader `.events(` (JobManager.events, kept for tests and bench), reads a `"type"` key (outside
+    NOT_JOB_EVENTS), or names the events.jsonl file (EVENTS_FILE and the typed readers do)."""
+    offenders = []
+    for module, source in sources.items():
+        if module == "engine.jobs" or module.startswith("engine.jobs."):
+            continue  # the contract and its one parser
+        for node in ast.walk(ast.parse(source, module)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "events":
+                offenders.append(f"{module}:{node.lineno} {ast.unparse(node.func)}( (raw dicts)")
+            elif _reads_type(node) and module not in NOT_JOB_EVENTS:
+                offenders.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and node.value.rsplit("/", 1)[-1] == "events.jsonl"):
+                offenders.append(f"{module}:{node.lineno} {node.value!r} (read by name)")
+    return offenders
+
+
+def test_the_event_read_finder_finds_raw_reads():
+    sources = {
+        "engine.checks.x": 'def f(jobs, job):\n    events, _ = jobs.events(job.id)\n'
+                           '    return [e for e in events if e.get("type") == "progress" or e["type"] == "paused"]\n',
+        "engine.train.y": '"""Reads events.jsonl."""\n\ndef f(job):\n    return (job.dir / "events.jsonl").read_text()\n',
+        "eagle3_console.z": 'def f(jobs, job, e, d):\n    d["type"] = "x"\n    return jobs.read_events(job.id), e.kind\n',
+        "engine.jobs.manager": 'def f(self, e):\n    return self.events(e["type"])\n',
+        "engine.localserver.app": 'def f(scope):\n    return scope["type"]\n',
+    }
+    assert raw_event_reads(sources) == [
+        "engine.checks.x:2 jobs.events( (raw dicts)", "engine.checks.x:3 e.get('type')", "engine.checks.x:3 e['type']",
+        "engine.train.y:4 'events.jsonl' (read by name)",
+    ]
+
+
+def test_job_events_are_read_typed_outside_the_job_subsystem():
+    """engine.jobs.events is the one parser of events.jsonl: everything else (the runner, stage checks,
+    panes, the CLI) reads its typed events through JobManager.read_events, the engine's watcher or
+    engine.watchers.last_events, so a field's name and type live in one place (issue 24)."""
+    assert all(module in MODULES for module in NOT_JOB_EVENTS), "NOT_JOB_EVENTS names a module that is gone"
+    sources = {module: path.read_text(encoding="utf-8") for module, path in MODULES.items()}
+    assert raw_event_reads(sources) == [], ("read typed events (JobManager.read_events, engine.watchers.last_events) "
+                                            "and isinstance/attributes (engine.jobs.events), not dicts")
