@@ -42,3 +42,24 @@ def tiny_chat_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 # SGLang 0.5.23's own code for the tests that hand it our artifacts (tests/sglang_judge/).
 from sglang_judge.wheel import sglang_cache, sglang_importable, sglang_src, sglang_wheel  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def demo_content(tmp_path_factory: pytest.TempPathFactory):
+    """The demo's content (dataset, tokenizer, the tiny target trained on the demo corpus), built once per
+    test session: (directory, DemoContent, progress messages). Tests read it; they never change it."""
+    from engine.demo import create_demo_content
+
+    root = tmp_path_factory.mktemp("demo") / "ws"
+    messages: list[str] = []
+    content = create_demo_content(root, progress=messages.append)
+    return root, content, messages
+
+
+@pytest.fixture(scope="session")
+def demo_template(demo_content):
+    """The demo workspace (`init --demo`) around that content (reused, not rebuilt); tests copy it
+    (helpers.workspaces.copy_demo) rather than build their own."""
+    from engine.workspace import init_workspace
+
+    return init_workspace(demo_content[0], demo=True)

@@ -1,7 +1,7 @@
 """Demo content: real dataset files, a real trained tokenizer and a real tiny Llama, on CPU.
 
-The full demo is built once per session (about 20-40 s on two cores); the other builds
-here use 3 training steps.
+The full demo is built once per test session (conftest's demo_content, shared with the demo workspace
+tests); the other builds here use 3 training steps.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ from engine.demo.corpus import FACTS, read_conversations  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def demo(tmp_path_factory):
-    ws = tmp_path_factory.mktemp("ws")
-    messages: list[str] = []
-    content = create_demo_content(ws, progress=messages.append)
-    return ws, content, messages
+def demo(demo_content):
+    """The session's demo content (conftest: built once, shared with the console's demo tests)."""
+    return demo_content
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,6 @@ runs on the CPU) and the rest of the pipeline (which runs on CPU) goes green.
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 from typing import Iterator
 
 import pytest
@@ -20,11 +18,13 @@ import pytest
 from engine.config import set_value
 from engine.core import Engine
 from engine.jobs.manager import JobManager
-from engine.workspace import Workspace, init_workspace
+from engine.workspace import Workspace
 from eagle3_console.app import ConsoleApp
 from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.panes import EvaluationPane, ExtractionPane, PipelinePane, ServerPane, TrainingPane
+from tests.helpers.processes import free_port
 from tests.helpers.screen import wait_until
+from tests.helpers.workspaces import copy_demo
 
 TRAIN_SAMPLES = 400  # the demo's 400 (fewer train a drafter too weak to beat plain decoding)
 # Set EAGLE3_SCREENSHOTS=DIR to save SVGs of the console at work (docs/screenshots).
@@ -32,22 +32,10 @@ SCREENSHOTS = os.environ.get("EAGLE3_SCREENSHOTS")
 STAGE_ORDER = ["gpus", "model", "dataset", "server", "capture", "disk", "extract", "train", "evaluate"]
 
 
-@pytest.fixture(scope="session")
-def demo_template(tmp_path_factory) -> Workspace:
-    return init_workspace(tmp_path_factory.mktemp("demo-template") / "ws", demo=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def demo_ws(demo_template, tmp_path) -> Iterator[Workspace]:
     root = tmp_path / "ws"
-    shutil.copytree(demo_template.root, root, ignore=shutil.ignore_patterns(".console.lock"))
-    ws = Workspace(root)
+    ws = copy_demo(demo_template, root)
     data = (root / ws.config.dataset.path).read_text().splitlines(keepends=True)
     (root / "data" / "train_ci.jsonl").write_text("".join(data[:TRAIN_SAMPLES]))
     config = ws.config

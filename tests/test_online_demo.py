@@ -2,7 +2,7 @@
 `train.window_gb = 0.005` taken through every stage headless (`eagle3-console run all`: a real local
 target server, the online training job, the evaluation job). The drafter's evaluated acceptance length
 is above 1, and `hidden/` (where the window lives) never holds more than 5 MB: sampled every 20 ms
-while the run goes. Slow: the demo build alone takes minutes on two cores."""
+while the run goes. Slow: the demo (built once per test session, shared) takes minutes on two cores."""
 
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ import pytest
 
 from engine.config import set_value
 from engine.train.window import files_bytes
-from engine.workspace import Workspace, init_workspace
+from engine.workspace import Workspace
 from tests.helpers.processes import free_port
+from tests.helpers.workspaces import copy_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the demo build alone takes minutes
 WINDOW_BYTES = 5_000_000  # train.window_gb = 0.005
 
 
-def test_demo_trains_online_within_5_mb_to_an_acceptance_length_above_1(tmp_path):
-    ws = init_workspace(tmp_path / "demo", demo=True)
+def test_demo_trains_online_within_5_mb_to_an_acceptance_length_above_1(demo_template, tmp_path):
+    ws = copy_demo(demo_template, tmp_path / "demo")
     config = ws.config
     # One evaluation pass at concurrency 1 (the verdict rules are the same; the sweep is not the point).
     for key, value in {"train.mode": "online", "train.window_gb": 0.005, "server.port": free_port(),

@@ -51,3 +51,11 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
             handle.write(json.dumps({"id": f"c{i:03d}", "messages": [
                 {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
     return path
+
+
+def copy_demo(template: Workspace, root: Path) -> Workspace:
+    """A private copy of the session's demo workspace (without the template's console lock)."""
+    import shutil
+
+    shutil.copytree(template.root, root, ignore=shutil.ignore_patterns(".console.lock"))
+    return Workspace(root)
