@@ -276,22 +276,7 @@ def append_manifest_entries(run_dir: Path, entries: list[RecordEntry]) -> None:
         return
     for directory in sorted({(Path(run_dir) / e.path).parent for e in entries}):
         atomic.fsync_dir(directory)
-    data = memoryview("".join(e.to_json() + "\n" for e in entries).encode("utf-8"))
-    fd = os.open(Path(run_dir) / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    try:
-        start = os.fstat(fd).st_size
-        try:
-            while data:
-                data = data[os.write(fd, data):]
-            os.fsync(fd)
-        except BaseException:
-            try:  # a partial append would glue onto the next one and spoil a line mid-file
-                os.ftruncate(fd, start)
-            except OSError:
-                pass
-            raise
-    finally:
-        os.close(fd)
+    atomic.append_lines(Path(run_dir) / MANIFEST, [e.to_json() for e in entries])
 
 
 def read_manifest(run_dir: Path) -> tuple[dict[str, RecordEntry], list[str]]:

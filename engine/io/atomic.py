@@ -118,11 +118,19 @@ def write_json(path: str | os.PathLike, obj: Any, mode: int = 0o644) -> None:
 
 def append_line(path: str | os.PathLike, line: str) -> None:
     """Append one line and fsync: used for manifests and event logs (append-only)."""
-    if "\n" in line:
-        raise ValueError("append_line takes a single line without newlines")
+    append_lines(path, [line])
+
+
+def append_lines(path: str | os.PathLike, lines: list[str]) -> None:
+    """Append lines in one write and one fsync (a group commit); a failed append leaves the file as it
+    was: none of these lines, no fragment."""
+    if any("\n" in line for line in lines):
+        raise ValueError("append_lines takes lines without newlines")
+    if not lines:
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = memoryview((line + "\n").encode("utf-8"))
+    data = memoryview("".join(line + "\n" for line in lines).encode("utf-8"))
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         start = os.fstat(fd).st_size
@@ -131,7 +139,7 @@ def append_line(path: str | os.PathLike, line: str) -> None:
                 data = data[os.write(fd, data):]
             os.fsync(fd)
         except BaseException:
-            # A full disk can take part of the line: cut it off, or the next append would
+            # A full disk can take part of the lines: cut them off, or the next append would
             # glue onto the fragment and turn a good line into a malformed one.
             try:
                 os.ftruncate(fd, start)
