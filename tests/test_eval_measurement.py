@@ -12,7 +12,6 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -438,21 +437,15 @@ time.sleep(60)
 def test_running_evaluation_progress_in_status_and_the_stage(tmp_path):
     """A real evaluate-kind job that reports progress as the evaluation does: `status` shows requests x
     rounds done (text) and the running acceptance length (JSON); the `evaluate` check names both."""
-    import time
 
     from engine.checks.context import CheckContext
     from engine.checks.evaluate import check_evaluate
-    from engine.jobs.manager import JobManager
+    from tests.helpers.jobs import start_job_and_wait
     from tests.helpers.workspaces import console_workspace
 
     ws = console_workspace(tmp_path)
-    jobs = JobManager(ws.jobs_dir)
-    job = jobs.start("evaluate", [sys.executable, "-c", EVAL_JOB])
+    jobs, job = start_job_and_wait(ws, "evaluate", EVAL_JOB, b"progress")
     try:
-        events = job.dir / "events.jsonl"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not (events.exists() and b"progress" in events.read_bytes()):
-            time.sleep(0.1)
         (result,) = check_evaluate(CheckContext(ws))
         assert result.evidence == (f"evaluation running (job {job.id}): 12/36 requests x rounds, concurrency 1 "
                                    "round 2/3, acceptance length so far 2.41, median speedup so far 1.33×")

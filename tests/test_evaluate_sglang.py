@@ -345,20 +345,15 @@ time.sleep(60)
 def test_running_sglang_evaluation_names_its_unit_and_server_in_the_stage(tmp_path):
     """A real evaluate-kind job reporting progress as the SGLang backend does: the `evaluate` check
     counts in its unit (every server's requests) and names the setting being measured."""
-    import time
 
     from engine.checks.context import CheckContext
     from engine.checks.evaluate import check_evaluate
+    from tests.helpers.jobs import start_job_and_wait
     from tests.helpers.workspaces import console_workspace
 
     ws = console_workspace(tmp_path)
-    jobs = JobManager(ws.jobs_dir)
-    job = jobs.start("evaluate", [sys.executable, "-c", SGLANG_EVAL_JOB])
+    jobs, job = start_job_and_wait(ws, "evaluate", SGLANG_EVAL_JOB, b"progress")
     try:
-        events = job.dir / "events.jsonl"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not (events.exists() and b"progress" in events.read_bytes()):
-            time.sleep(0.1)
         (result,) = check_evaluate(CheckContext(ws))
         assert result.evidence == (f"evaluation running (job {job.id}): 40/128 requests x rounds x servers, "
                                    "concurrency 4 round 1/2, server steps 3 top-k 1 draft tokens 4, acceptance "

@@ -19,12 +19,17 @@ time.sleep(60)
 """
 
 
-def start_paused_job(ws: Workspace) -> tuple[JobManager, JobInfo]:
-    """A real extraction-kind job that reports progress 10/40 and then "paused"; waits for that event."""
+def start_job_and_wait(ws: Workspace, kind: str, script: str, until: bytes) -> tuple[JobManager, JobInfo]:
+    """A real detached job of `kind` running `script`; returns once its events.jsonl holds `until` (20 s at most)."""
     jobs = JobManager(ws.jobs_dir)
-    job = jobs.start("extract", [sys.executable, "-c", PAUSED_EXTRACTION])
+    job = jobs.start(kind, [sys.executable, "-c", script])
     deadline = time.monotonic() + 20
     events = job.dir / "events.jsonl"
-    while time.monotonic() < deadline and not (events.exists() and b"paused" in events.read_bytes()):
+    while time.monotonic() < deadline and not (events.exists() and until in events.read_bytes()):
         time.sleep(0.1)
     return jobs, job
+
+
+def start_paused_job(ws: Workspace) -> tuple[JobManager, JobInfo]:
+    """A real extraction-kind job that reports progress 10/40 and then "paused"; waits for that event."""
+    return start_job_and_wait(ws, "extract", PAUSED_EXTRACTION, b"paused")
