@@ -77,14 +77,12 @@ def check_disk(ctx: CheckContext) -> list[CheckResult]:
 
 def _window_budget(ctx: CheckContext) -> CheckResult:
     """Online/hybrid training: the disk holds the window (train.window_gb), not the whole extraction."""
-    from engine.model.target import TargetError, plan_target
     from engine.train.window import files_bytes, window_budget, window_dir
 
     cfg = ctx.config
-    try:
-        hidden = plan_target(ctx.workspace.model_dir, list(cfg.model.capture_layers)).hidden_size
-    except TargetError:
-        return warned("budget", "hidden size unknown (model config unreadable)", "fix the `model` stage first")
+    hidden = _hidden_size(ctx)
+    if isinstance(hidden, CheckResult):
+        return hidden
     tokens, source = estimate_tokens(ctx)
     per_token = bytes_per_token(hidden)
     offline = tokens * per_token
@@ -130,14 +128,21 @@ def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, str]:
     return sum(e.tokens for e in entries.values()), sum(e.bytes for e in entries.values()), ""
 
 
-def _budget(ctx: CheckContext) -> CheckResult:
+def _hidden_size(ctx: CheckContext) -> int | CheckResult:
+    """The target's hidden size, or the amber result both budgets give when the model is unreadable."""
     from engine.model.target import TargetError, plan_target
 
-    cfg = ctx.config
     try:
-        hidden = plan_target(ctx.workspace.model_dir, list(cfg.model.capture_layers)).hidden_size
+        return plan_target(ctx.workspace.model_dir, list(ctx.config.model.capture_layers)).hidden_size
     except TargetError:
         return warned("budget", "hidden size unknown (model config unreadable)", "fix the `model` stage first")
+
+
+def _budget(ctx: CheckContext) -> CheckResult:
+    cfg = ctx.config
+    hidden = _hidden_size(ctx)
+    if isinstance(hidden, CheckResult):
+        return hidden
     tokens, source = estimate_tokens(ctx)
     per_token = bytes_per_token(hidden)
     # Only what remains is written: records already in the run are resumed, not redone.
