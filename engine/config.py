@@ -129,6 +129,9 @@ class ServerConfig:
     nnodes: int = setting(1, low=1, high=1024, help="nodes serving the target with sglang")
     node_rank: int = setting(0, low=0, high=1023, help="this node's rank, below nnodes")
     dist_init_addr: str = setting("", help="multi-node rendezvous HOST:PORT (needed when nnodes > 1)")
+    # Checked against train.gpus and model.tp_size in check_gpu_sets; the env is engine.system.gpusets'.
+    gpus: list[int] = setting(factory=list, help="GPU indices (as nvidia-smi numbers them) the server runs on; "
+                                                 "[] = every visible GPU")
 
 
 @dataclass
@@ -180,7 +183,9 @@ class TrainConfig:
     save_every: int = setting(500, low=1, high=_BIG, help="steps between checkpoints")
     log_every: int = setting(10, low=1, high=_BIG, help="steps between metric lines")
     eval_fraction: float = setting(0.05, low=0, high=0.9, help="fraction of records held out for validation")
-    num_gpus: int = setting(1, low=1, high=1024, help="GPUs to train on")
+    num_gpus: int = setting(1, low=1, high=1024, help="GPUs to train on (one torchrun rank each)")
+    gpus: list[int] = setting(factory=list, help="GPU indices (as nvidia-smi numbers them) the trainer runs on, "
+                                                 "num_gpus of them, apart from server.gpus; [] = every visible GPU")
     seed: int = setting(0, low=0, high=2**32 - 1, help="random seed for data order and initialisation")
     # README "Training modes": offline reads extracted records; online captures each epoch into a bounded
     # window and deletes each record once trained; hybrid keeps what the window holds across epochs.
@@ -422,9 +427,46 @@ def _check_section(file: Path, name: str, section: Any) -> None:
                 raise ConfigError(file, f"evaluate.sglang_sweep[{i}]", problem,
                                   "write [steps, topk, draft_tokens]: [3, 1, 4] (top-k 1 verifies steps + 1 tokens) "
                                   "or e.g. [5, 4, 8] (top-k above 1: 2 to topk + (steps-1)*topk^2 + 1 tokens)", entry)
+    if name in ("server", "train"):
+        _check_gpu_list(file, f"{name}.gpus", section.gpus)
     if name == "server" and section.host not in ("127.0.0.1", "localhost", "::1"):
         # Allowed, but only when asked for explicitly: the caller shows a warning.
         pass
+
+
+def _check_gpu_list(file: Path, key: str, gpus: list[int]) -> None:
+    for i, gpu in enumerate(gpus):
+        if gpu < 0 or gpu > 1023:
+            raise ConfigError(file, f"{key}[{i}]", "is not a GPU index", "use the indices nvidia-smi shows, from 0",
+                              gpu)
+    if len(set(gpus)) != len(gpus):
+        raise ConfigError(file, key, "lists a GPU twice", "list each GPU index once, e.g. [0, 1]", gpus)
+
+
+def check_gpu_sets(config: Config, file: Path | str = CONFIG_NAME) -> None:
+    """Which GPUs the server and the trainer use (server.gpus, train.gpus): the trainer's count matches
+    train.num_gpus, the sglang server's matches model.tp_size x dp_size, and the two sets are disjoint
+    unless both run on the same single GPU (one GPU, shared: the H200 has room for both)."""
+    server, train, model = config.server.gpus, config.train.gpus, config.model
+    if train and len(train) != config.train.num_gpus:
+        raise ConfigError(file, "train.gpus", f"lists {len(train)} GPU(s) but train.num_gpus = "
+                          f"{config.train.num_gpus}", f"set train.num_gpus = {len(train)}, or list "
+                          f"{config.train.num_gpus} GPU(s) in train.gpus", train)
+    if server and model.backend == "sglang" and len(server) != model.tp_size * model.dp_size:
+        raise ConfigError(file, "server.gpus", f"lists {len(server)} GPU(s) but model.tp_size x model.dp_size = "
+                          f"{model.tp_size} x {model.dp_size} = {model.tp_size * model.dp_size}",
+                          f"list {model.tp_size * model.dp_size} GPU(s) in server.gpus, or set model.tp_size "
+                          f"(x model.dp_size) to {len(server)}", server)
+    if server and model.backend == "local" and len(server) > 1:
+        raise ConfigError(file, "server.gpus", "the local backend runs the target on one GPU",
+                          "list one GPU in server.gpus, or set model.backend = \"sglang\" to use tensor "
+                          "parallelism", server)
+    shared = sorted(set(server) & set(train))
+    if shared and (len(server) > 1 or len(train) > 1):
+        raise ConfigError(file, "server.gpus", f"overlaps train.gpus on GPU(s) {shared}; several GPUs must be "
+                          "split into disjoint sets", "list different GPUs in server.gpus and train.gpus (e.g. "
+                          "server.gpus = [0, 1], train.gpus = [2, 3]); only a single GPU may be shared, by "
+                          "listing the same one in both", {"server.gpus": server, "train.gpus": train})
 
 
 def sglang_setting_problem(entry: list[int]) -> str:
@@ -457,7 +499,9 @@ def parse_config(text: str, file: Path | str = CONFIG_NAME) -> Config:
         if name not in SECTIONS:
             raise ConfigError(file, name, "unknown section", _suggest(name, SECTIONS))
         sections[name] = _build_section(file, name, SECTIONS[name], value)
-    return Config(**sections)
+    config = Config(**sections)
+    check_gpu_sets(config, file)
+    return config
 
 
 def load_config(workspace: Path | str) -> Config:
@@ -536,4 +580,6 @@ def set_value(config: Config, dotted: str, value: Any) -> Config:
     raw = dataclasses.asdict(getattr(config, section_name))
     raw[key] = value
     new_section = _build_section(Path(CONFIG_NAME), section_name, SECTIONS[section_name], raw)
-    return dataclasses.replace(config, **{section_name: new_section})
+    changed = dataclasses.replace(config, **{section_name: new_section})
+    check_gpu_sets(changed)  # as the file would be checked: a saved console.toml must load again
+    return changed

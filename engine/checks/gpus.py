@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.system import nccl
+from engine.system import gpusets, nccl
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
 from engine.system.disk import fmt_bytes
@@ -33,6 +33,7 @@ def check_gpus(ctx: CheckContext) -> list[CheckResult]:
     else:
         names = sorted({g.name for g in snap.gpus})
         results.append(passed("visible", f"{count} GPU(s): {', '.join(names)}; needs {needed}"))
+    results.append(_split_check(cfg, [g.index for g in snap.gpus]))
 
     from engine.system.gpu import architecture_name
 
@@ -65,6 +66,22 @@ def check_gpus(ctx: CheckContext) -> list[CheckResult]:
 
     results.append(_nccl_check(ctx, snap.interconnect))
     return results
+
+
+def _split_check(cfg, visible: list[int]) -> CheckResult:
+    """How server.gpus and train.gpus share the GPUs out (config validation keeps listed sets disjoint)."""
+    text = gpusets.split_text(cfg)
+    missing = [g for g in dict.fromkeys(cfg.server.gpus + cfg.train.gpus) if g not in visible]
+    if missing:
+        return failed("split", f"{text}; GPU(s) {missing} not visible (NVML shows {visible})",
+                      "list GPU indices nvidia-smi shows in server.gpus and train.gpus")
+    server_many = cfg.model.backend == "sglang" and cfg.model.tp_size * cfg.model.dp_size > 1
+    together = cfg.train.mode in ("online", "hybrid")  # server and trainer run at the same time
+    if together and (server_many or cfg.train.num_gpus > 1) and not (cfg.server.gpus and cfg.train.gpus):
+        return warned("split", f"{text}: online training runs both at once, on the same GPUs",
+                      "give them disjoint sets, e.g. server.gpus = [0, 1] and train.gpus = [2, 3] "
+                      "(with train.num_gpus = 2)")
+    return passed("split", text)
 
 
 def _nccl_check(ctx: CheckContext, interconnect: str) -> CheckResult:

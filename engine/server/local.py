@@ -6,6 +6,7 @@ import os
 import sys
 
 from engine.system import nccl
+from engine.system.gpusets import visible_devices_env
 from engine.server.spec import LaunchSpec
 
 
@@ -37,6 +38,7 @@ def build_local_spec(workspace, capture: bool = True, port: int | None = None) -
     # The key travels in the environment, not argv: argv is visible to every user in `ps`.
     if cfg.server.api_key:
         env_set["LOCALSERVER_API_KEY"] = cfg.server.api_key
+    env_set.update(visible_devices_env(cfg.server.gpus))  # server.gpus: apart from the trainer's
     env = nccl.build_child_env(cfg.gpu.nccl_preset, base_env=os.environ, disable_nvls=cfg.gpu.disable_nvls,
                                extra=env_set)
     shown = {**nccl.effective_nccl_vars(env), **env_set}

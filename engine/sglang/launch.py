@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from engine.system import nccl
+from engine.system.gpusets import visible_devices_env
 from engine.server.spec import LaunchSpec
 from engine.sglang.versions import (
     UnsupportedSglangError,
@@ -176,6 +177,10 @@ def build_sglang_spec(workspace, capture: bool = True, port: int | None = None, 
     # The workers re-import our hook by module name: make the package importable there.
     existing = os.environ.get("PYTHONPATH", "")
     env_set["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + existing if existing else "")
+    gpus = visible_devices_env(cfg.server.gpus)  # server.gpus: the TP ranks' GPUs, apart from the trainer's
+    if gpus:
+        env_set.update(gpus)
+        notes.append(f"CUDA_VISIBLE_DEVICES={gpus['CUDA_VISIBLE_DEVICES']}: server.gpus (numbered as nvidia-smi)")
     env = nccl.build_child_env(cfg.gpu.nccl_preset, base_env=os.environ, disable_nvls=cfg.gpu.disable_nvls,
                                extra=env_set)
     notes.append(f"NCCL preset '{cfg.gpu.nccl_preset}' in the server's environment")

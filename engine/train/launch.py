@@ -6,6 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from engine.system.gpusets import visible_devices_env
 from engine.train import checkpoint as ckpt
 
 
@@ -19,3 +20,10 @@ def build_train_argv(workspace, resume: bool | None = None) -> list[str]:
         torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
         return [torchrun, "--standalone", "--nproc-per-node", str(gpus)] + tail
     return [sys.executable] + tail
+
+
+def train_env(workspace) -> dict[str, str]:
+    """What the training job's environment adds for train.gpus: CUDA_VISIBLE_DEVICES (numbered as
+    nvidia-smi does), so torchrun's ranks (LOCAL_RANK 0..num_gpus-1) land on those GPUs and never on the
+    server's. {} when train.gpus is [] (every visible GPU, today's behaviour). Merge it over the job's env."""
+    return visible_devices_env(workspace.config.train.gpus)
