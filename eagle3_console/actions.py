@@ -20,7 +20,7 @@ from eagle3_console.confirm import ConfirmScreen
 from eagle3_console.keys import KEYS
 from eagle3_console.messages import ServerActionFailed
 from eagle3_console.panes import ExtractionPane, ServerPane, TrainingPane
-from engine.jobs.registry import STAGE_JOBS
+from engine.registry import STAGE_JOBS, STAGE_PANES
 
 if TYPE_CHECKING:
     from engine.core import Engine
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 else:
     _AppBase = object
 
-# stage -> the pane that shows its job
-JOB_PANES = {"server": "server", "extract": "extraction", "train": "training", "evaluate": "evaluation"}
+# stage -> the pane that shows its job (engine.registry)
+JOB_PANES = STAGE_PANES
 # pane -> the stage whose job `s` / `S` start and stop there
 PANE_STAGES = {pane: stage for stage, pane in JOB_PANES.items()}
 # Actions by name (without parameters) -> their row in the key table.
@@ -139,7 +139,7 @@ class JobActions(_AppBase):
 
     def stop_job_asking(self, job) -> None:
         """Stop any job (the Jobs pane's row, evaluate) after a yes; the server through its manager."""
-        from engine.jobs.registry import stop_grace
+        from engine.registry import stop_grace
 
         if not job.active:
             self.notify(f"job {job.id} is {job.state}: nothing to stop", timeout=4)

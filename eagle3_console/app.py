@@ -61,6 +61,7 @@ from eagle3_console.fmt import finite
 from eagle3_console.strip import JobProgress, StatusStrip
 from eagle3_console.tabs import SHORT_LABELS, SHORT_TABS_BELOW, TABS
 from engine.jobs.events import Paused, Progress, Resumed
+from engine.registry import STAGE_JOBS, STAGE_PANES
 
 ENGINE_START_DELAY_S = 0.1  # after the first paint: the footer is rebuilt just after it
 TTY_CHECK_S = 1.0  # how often the app checks that its terminal is still there (then closes cleanly)
@@ -268,10 +269,9 @@ class ConsoleApp(JobActions, App[int]):
             arrived = partial(JobEventsArrived, event.job_id, event.kind, event.events, event.history)
             self.query_one(JobsPane).post_message(arrived())
             self._track_progress(event)
-            panes: dict[str, type[Pane]] = {"extract": ExtractionPane, "train": TrainingPane, "evaluate": EvaluationPane}
-            shown_in = panes.get(event.kind)
-            if shown_in is not None:
-                self.query_one(shown_in).post_message(arrived())
+            shown_in = STAGE_PANES.get(event.kind)  # the pane that follows this kind of job (engine.registry)
+            if shown_in is not None and event.kind in STAGE_JOBS:
+                self.query_one(f"#pane-{shown_in}", Pane).post_message(arrived())
         elif isinstance(event, TrainingMetrics):
             self.query_one(TrainingPane).post_message(
                 TrainingMetricsArrived(event.records, event.reset, event.latest, event.best))

@@ -24,13 +24,11 @@ from eagle3_console.cliprint import (
     workspace_arg,
 )
 from eagle3_console.tabs import TAB_IDS
+from eagle3_console.render import STAGE_GLYPHS as GLYPHS, STATUS_GLYPHS
 from engine.config import ConfigError
 from engine.jobs.manager import JobState
 from engine.workspace import WorkspaceError
 
-GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-",
-          "stale": "?"}
-STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
 
 
 WORKSPACE_HELP = "workspace directory (default: ./ or ./eagle3-workspace)"

@@ -12,7 +12,7 @@ import sys
 import time
 
 from engine.jobs.manager import JobState
-from engine.jobs.registry import DEFAULT_GRACE_S, STOP_GRACE_S, stop_grace
+from engine.registry import DEFAULT_GRACE_S, STOP_GRACE_S, stop_grace
 
 
 def _grace_help() -> str:

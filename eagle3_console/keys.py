@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eagle3_console.tabs import TABS
+from engine.registry import STAGE_PANES
 
 # Panes, by tab id. "" in `panes` means: every pane.
 EVERYWHERE: tuple[str, ...] = ()
-JOB_PANES = ("server", "pipeline", "extraction", "training", "evaluation")
+# The checklist and every pane that follows a stage's job (engine.registry), in tab order.
+JOB_PANES = tuple(tab for tab, _ in TABS if tab == "pipeline" or tab in STAGE_PANES.values())
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,10 @@ def set_markup(widget, markup: str) -> bool:
 
 
 # A job state's theme colour (a theme variable name without `$`), the same in every pane.
+# A stage's state and a check's status as one glyph (the checklist pane and the CLI's `status`).
+STAGE_GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "stale": "?"}
+STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
+
 JOB_STATE_COLOURS = {JobState.RUNNING: "success", JobState.STARTING: "warning", JobState.SUCCEEDED: "success",
                      JobState.FAILED: "error", JobState.LOST: "error", JobState.STOPPED: "warning"}
 

@@ -31,7 +31,7 @@ from engine.pipeline import Pipeline
 from engine.watchers import EventsTail, WorkspaceFiles
 from engine.workspace import LockHolder, Workspace
 from engine.jobs.manager import FINAL_STATES, JobInfo, JobManager
-from engine.jobs.registry import SERVER_USERS, STAGE_JOBS
+from engine.registry import STAGE_JOBS, stages_fed_by
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Listener = Callable[[Event], None]
-SERVER_STAGES = ("server", "capture")  # the stages whose results describe the running server
+SERVER_STAGES = stages_fed_by("server")  # the stages whose results describe the running server
 SERVER_PHASES = {"ready": "up", "stopped": "down", "crashed": "down"}  # starting/unhealthy: in between
 
 
@@ -438,30 +438,33 @@ class Engine:
     def server_users(self) -> list:
         """Running jobs that need the server (stopping it would disrupt them)."""
         from engine.config import ConfigError
-        from engine.jobs.registry import server_users
+        from engine.registry import server_users
 
         try:
             users = server_users(self.workspace.config)  # online training captures from the server
         except (ConfigError, OSError):
-            users = SERVER_USERS
+            users = server_users(None)
         return [j for j in self.running_jobs() if j.kind in users]
 
     async def start_stage_job(self, stage: str):
-        from engine.jobs.registry import STARTERS
+        from engine.registry import starter
 
         self._require_driver(f"start the {stage} job")
-        job = await asyncio.to_thread(STARTERS[stage], self.workspace, self.jobs)
+        start = starter(stage)
+        if start is None:
+            raise KeyError(f"stage {stage!r} has no job to start")
+        job = await asyncio.to_thread(start, self.workspace, self.jobs)
         self.notify("information", f"{stage} job {job.id} started")
         return job
 
     def red_prerequisites(self, stage: str) -> list[StageReport]:
-        """The prerequisite stages of `stage`'s job that are red now (engine.jobs.registry.PREREQUISITES)."""
-        from engine.jobs.registry import red_prerequisites
+        """The prerequisite stages of `stage`'s job that are red now (engine.registry)."""
+        from engine.registry import red_prerequisites
 
         return red_prerequisites(stage, self.reports(), self.workspace.config)  # train's depend on train.mode
 
     async def stop_job(self, job_id: str, grace: float | None = None) -> JobInfo:
-        """SIGTERM the job, SIGKILL after `grace` s (default: its kind's, engine.jobs.registry.stop_grace)."""
+        """SIGTERM the job, SIGKILL after `grace` s (default: its kind's, engine.registry.stop_grace)."""
         self._require_driver("stop a job")
         return await stop_detached_job(self.workspace, self.jobs, job_id, grace, server=self.server)
 
@@ -527,11 +530,11 @@ class Engine:
 async def stop_detached_job(workspace: Workspace, jobs: JobManager, job_id: str, grace: float | None = None, *,
                             server: ServerManager | None = None) -> JobInfo:
     """SIGTERM a job's process group, SIGKILL it after `grace` s (default: its kind's grace from
-    engine.jobs.registry), and return its final record. The server's job goes through the server manager,
+    engine.registry), and return its final record. The server's job goes through the server manager,
     which first records that the server is meant to be down (else a console's restart policy would take
     the stop for a crash). Reads no console.toml: a job stays stoppable while the config is broken."""
     from engine.server.manager import ServerManager
-    from engine.jobs.registry import stop_grace
+    from engine.registry import stop_grace
 
     info = await asyncio.to_thread(jobs.get, job_id)
     wait = stop_grace(info.kind) if grace is None else grace

@@ -1,4 +1,5 @@
-"""The pipeline: stages in order, their checks, and the last results (persisted in the workspace).
+"""The pipeline: runs the stages' checks (the stages themselves: engine.registry) and keeps the last
+results, persisted in the workspace; a result's staleness from the config and jobs it depends on.
 
 There is no way to mark a stage done by hand: its state is computed from check results only.
 """
@@ -12,118 +13,19 @@ import inspect
 import json
 import time
 import traceback
-from dataclasses import dataclass, replace
-from typing import Awaitable, Callable, Iterable, Union
+from dataclasses import replace
+from typing import Iterable
 
 from engine.io import atomic
-from engine.checks.base import CheckResult, StageReport, StageState, failed, passed, stage_state
+from engine.checks.base import CheckResult, StageReport, StageState, failed, stage_state
 from engine.checks.context import CheckContext
-from engine.jobs.registry import STAGE_JOBS
+from engine.registry import STAGE_JOBS, STAGES, Stage, get_stage, stage_names
 
-CheckFn = Callable[[CheckContext], Union[list[CheckResult], Awaitable[list[CheckResult]]]]
 RESULTS_FILE = "checks.json"
 
 
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    title: str
-    description: str
-    checks: CheckFn | None  # None: not yet available in this build
-
-
-def _stages() -> list[Stage]:
-    from engine.checks.disk import check_disk
-    from engine.checks.gpus import check_gpus
-    from engine.checks.capture import check_capture
-    from engine.checks.dataset import check_dataset
-    from engine.checks.evaluate import check_evaluate
-    from engine.checks.extract import check_extract
-    from engine.checks.model import check_model
-    from engine.checks.server import check_server
-    from engine.checks.train import check_train
-
-    return [
-        Stage("gpus", "GPUs & NCCL", "NVML, GPUs visible, compute capability, free memory, NCCL preset", check_gpus),
-        Stage("model", "Target model", "config.json, shapes, capture layers, tokenizer + chat template", check_model),
-        Stage("dataset", "Dataset", "parse, token lengths, truncation, assistant tokens", check_dataset),
-        Stage("server", "Server", "process up, health, capture-safe flags, decode tok/s", check_server),
-        Stage("capture", "Capture probe", "tokens sent = captured, 0 cached, shapes, finite, argmax", check_capture),
-        Stage("disk", "Disk", "output dirs writable, bytes needed fit under free minus reserve", check_disk),
-        Stage("extract", "Extraction", "manifest covers every sample and verifies", _extract_unless_online(check_extract)),
-        Stage("train", "Training", "export signed, finite, in the layout SGLang's EAGLE-3 loader reads", check_train),
-        Stage("evaluate", "Evaluation", "acceptance length and speedup measured", check_evaluate),
-    ]
-
-
-def _extract_unless_online(check_extract: CheckFn) -> CheckFn:
-    """train.mode = online/hybrid captures during training: no extraction is needed, and the stage says so
-    (with what the window holds) instead of asking for one; offline, the extraction's own checks."""
-
-    def check(ctx: CheckContext):
-        from engine.system.disk import fmt_bytes
-        from engine.jobs.registry import online_training
-        from engine.train.window import window_budget, window_dir
-
-        cfg = ctx.config
-        if not online_training(cfg):
-            return check_extract(ctx)
-        return [passed("mode", f"not needed: train.mode = {cfg.train.mode!r} captures the states from the server "
-                               f"while training, into {window_dir(ctx.workspace)} (at most "
-                               f"{fmt_bytes(window_budget(cfg))}, train.window_gb); set train.mode = \"offline\" "
-                               "to train from extracted records")]
-
-    return check
-
-
-STAGES: list[Stage] = []
-
-
-def stages() -> list[Stage]:
-    if not STAGES:
-        STAGES.extend(_stages())
+def stages() -> tuple[Stage, ...]:
     return STAGES
-
-
-def stage_names() -> list[str]:
-    return [s.name for s in stages()]
-
-
-def get_stage(name: str) -> Stage:
-    for stage in stages():
-        if stage.name == name:
-            return stage
-    import difflib
-
-    close = difflib.get_close_matches(name, stage_names(), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    raise KeyError(f"unknown stage '{name}'{hint} Stages: {', '.join(stage_names())}")
-
-
-NOT_AVAILABLE = "checks not yet available in this build"
-
-# The console.toml sections each stage's result depends on: a result computed under other values of
-# these is stale (shown as such, never as current). `ui` matters to no stage.
-STAGE_CONFIG: dict[str, tuple[str, ...]] = {
-    "gpus": ("gpu", "model", "server"),
-    "model": ("model",),
-    "dataset": ("dataset", "model"),
-    "server": ("server", "model"),
-    "capture": ("server", "model", "extract"),
-    "disk": ("dataset", "extract", "train", "evaluate", "model"),
-    "extract": ("extract", "dataset", "model", "train.mode"),  # online training needs no extraction
-    "train": ("train", "extract", "dataset", "model"),
-    "evaluate": ("evaluate", "train", "server", "model", "dataset"),
-}
-# The jobs (by kind) whose work a stage's result describes: one started or ended after the check
-# makes the result stale. A stage whose own job (same name) runs reads "running".
-STAGE_JOB_INPUTS: dict[str, tuple[str, ...]] = {
-    "server": ("server",),
-    "capture": ("server",),
-    "extract": ("extract",),
-    "train": ("extract", "train"),
-    "evaluate": ("train", "evaluate"),
-}
 
 
 def _section_fingerprint(section) -> str:
@@ -144,7 +46,7 @@ def _config_part(config, name: str):
 def config_basis(stage: str, config) -> tuple[tuple[str, str], ...]:
     """((section or section.key, fingerprint), ...) of the config parts `stage` depends on."""
     return tuple((name, _section_fingerprint(_config_part(config, name)))
-                 for name in STAGE_CONFIG.get(stage, ()))
+                 for name in get_stage(stage).depends_on) if stage in stage_names() else ()
 
 
 def _clock(value) -> str:
@@ -155,7 +57,7 @@ def live_report(report: StageReport, config, jobs: Iterable = ()) -> StageReport
     """The report as it stands now: `running` while the stage's own job runs; `stale` when it was
     computed under other values of its config sections, or before a job that feeds it started or
     ended. Otherwise the report itself. `jobs`: JobInfo, newest first."""
-    if report.state in (StageState.RUNNING, StageState.UNAVAILABLE):
+    if report.state is StageState.RUNNING:
         return report
     jobs = list(jobs)
     if report.stage in STAGE_JOBS:
@@ -168,7 +70,7 @@ def live_report(report: StageReport, config, jobs: Iterable = ()) -> StageReport
         return report
     why = []
     if report.ran_at is not None:
-        kinds = STAGE_JOB_INPUTS.get(report.stage, ())
+        kinds = get_stage(report.stage).fed_by if report.stage in stage_names() else ()
         for job in jobs:  # newest first: the newest job that changed things is named
             if job.kind not in kinds:
                 continue
@@ -237,8 +139,6 @@ class Pipeline:
                 results = tuple(CheckResult.from_dict(r) for r in raw.get("checks", []))
             except (KeyError, ValueError, TypeError):
                 continue  # an old or damaged entry: the stage shows as not run
-            if stage.checks is None:
-                continue
             basis = raw.get("config")
             basis = tuple((str(k), str(v)) for k, v in basis.items()) if isinstance(basis, dict) else None
             self.reports[name] = StageReport(stage.name, stage.title, stage_state(list(results)), results,
@@ -255,8 +155,6 @@ class Pipeline:
 
     @staticmethod
     def _empty(stage: Stage) -> StageReport:
-        if stage.checks is None:
-            return StageReport(stage.name, stage.title, StageState.UNAVAILABLE, note=NOT_AVAILABLE)
         return StageReport(stage.name, stage.title, StageState.PENDING, note="not run yet")
 
     def report(self, name: str) -> StageReport:
@@ -276,18 +174,15 @@ class Pipeline:
 
     async def run_stage(self, name: str) -> StageReport:
         stage = get_stage(name)
-        if stage.checks is None:
-            report = self._empty(stage)
-            self.reports[name] = report
-            return report
+        checks = stage.checks
         self.reports[name] = StageReport(stage.name, stage.title, StageState.RUNNING, self.reports[name].results)
         started = time.time()
         try:
-            if inspect.iscoroutinefunction(stage.checks):
-                results = await stage.checks(self.ctx)
+            if inspect.iscoroutinefunction(checks):
+                results = await checks(self.ctx)
             else:
                 # Checks may load tokenizers or touch disks: never on the event loop.
-                results = await asyncio.to_thread(stage.checks, self.ctx)
+                results = await asyncio.to_thread(checks, self.ctx)
         except Exception as exc:  # a bug in a check must show as a failure, not kill the console
             tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
             results = [failed("internal", f"check crashed: {tb}", "report this as a bug; the log has the traceback")]

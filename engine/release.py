@@ -22,7 +22,7 @@ from pathlib import Path
 from engine.extract.layout import COMPLETE, RUN_LOCK
 from engine.io.names import UnsafeNameError, check_name
 from engine.records import RUN_META, RecordError, read_manifest, read_run_meta
-from engine.jobs.registry import RECORD_READERS
+from engine.registry import RECORD_READERS
 from engine.errors import EngineError
 from engine.io.jsonfile import read_json_object_or_none
 

@@ -18,7 +18,7 @@ from engine import runner
 from engine.core import Engine, ReadOnlyError
 from engine.jobs.manager import JobManager
 from engine.server.manager import ServerManager
-from engine.jobs.registry import STOP_GRACE_S
+from engine.registry import STOP_GRACE_S
 from engine.workspace import init_workspace
 
 N_CONVERSATIONS = 6
@@ -140,7 +140,7 @@ time.sleep(600)
 
 
 def test_stop_job_waits_each_kinds_grace_from_the_registry(tmp_path, monkeypatch):
-    """Engine.stop_job without a grace takes the job kind's from engine.jobs.registry (no literal in the
+    """Engine.stop_job without a grace takes the job kind's from engine.registry (no literal in the
     caller): with extract's set short and train's longer, only the train job outlives its SIGTERM that
     long. An explicit grace still wins."""
     monkeypatch.setitem(STOP_GRACE_S, "extract", 0.5)

@@ -231,7 +231,7 @@ def _run_job(ws) -> tuple[dict, list[dict]]:
     """The evaluate stage's job, started the way the console starts it; returns (report, events)."""
     from engine.evaluate.report import read_report
     from engine.jobs.manager import JobManager
-    from engine.jobs.registry import start_evaluate
+    from engine.registry import start_evaluate
 
     jobs = JobManager(ws.jobs_dir)
     job = start_evaluate(ws, jobs)
@@ -535,7 +535,7 @@ def test_an_export_with_wrong_layer_ids_cannot_pass_evaluation(pipeline, tmp_pat
     import shutil
 
     from engine.jobs.manager import JobManager
-    from engine.jobs.registry import start_evaluate
+    from engine.registry import start_evaluate
     from engine.workspace import Workspace
 
     ws, untrained, trained, _ = pipeline

@@ -24,7 +24,7 @@ import pytest
 
 from engine.checks.base import StageReport, StageState, failed, passed
 from engine.config import ConfigError, parse_config, set_value
-from engine.jobs.registry import prerequisites, red_prerequisites, server_users
+from engine.registry import prerequisites, red_prerequisites, server_users
 from engine.train.window import Window, files_bytes, record_bytes
 from tests.helpers.workspaces import make_workspace, write_conversations
 
@@ -138,9 +138,9 @@ class Sampler:
 def run_job(ws, jobs, sink: list[dict], until=None, timeout: float = 300.0):
     """Start the train stage's job (as the console does) and collect its events until it ends, or until
     `until(events)` is true (then it is left running and returned)."""
-    from engine.jobs.registry import STARTERS
+    from engine.registry import start_train
 
-    job = STARTERS["train"](ws, jobs)
+    job = start_train(ws, jobs)
     offset, deadline = 0, time.monotonic() + timeout
     while time.monotonic() < deadline:
         events, offset = jobs.events(job.id, offset)

@@ -7,6 +7,7 @@ stage with its evidence and fix. Enter (or `r`) asks the app to re-run that stag
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -17,14 +18,11 @@ from textual.widgets import DataTable, Input, Static
 from eagle3_console.keys import nav_bindings, scroll_bindings
 from eagle3_console.messages import RunChecks, StageChanged
 from eagle3_console.panes.base import Pane
-from eagle3_console.render import clip, esc, set_markup
+from eagle3_console.render import STAGE_GLYPHS as GLYPHS, STATUS_GLYPHS, clip, esc, set_markup
 
-GLYPHS = {"passed": "✔", "warned": "!", "failed": "✘", "pending": "·", "running": "…", "unavailable": "-",
-          "stale": "?"}
-STATUS_GLYPHS = {"pass": "✔", "warn": "!", "fail": "✘"}
 # Theme variable per state: the table resolves them through the current theme.
 STATE_COLOURS = {"passed": "success", "warned": "warning", "failed": "error", "pending": "text-muted",
-                 "running": "primary", "unavailable": "text-muted", "stale": "warning"}
+                 "running": "primary", "stale": "warning"}
 # States whose note, not the last results, is what the row must say (a job running, a stale result).
 NOTE_STATES = ("running", "stale")
 STATUS_COLOURS = {"pass": "success", "warn": "warning", "fail": "error"}
@@ -102,7 +100,7 @@ class PipelinePane(Pane):
     PipelinePane #stage-filter.-shown { display: block; }
     """
 
-    def __init__(self, stages: list, reports: list, **kwargs) -> None:
+    def __init__(self, stages: Sequence, reports: Sequence, **kwargs) -> None:
         super().__init__(**kwargs)
         self.stages = {s.name: s for s in stages}
         self.order = [s.name for s in stages]

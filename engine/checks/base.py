@@ -21,7 +21,6 @@ class StageState(str, enum.Enum):
     PASSED = "passed"  # every check passed
     WARNED = "warned"  # no failure, at least one warning: usable, not green
     FAILED = "failed"
-    UNAVAILABLE = "unavailable"  # the stage's checks do not exist in this build yet
 
     @property
     def ok(self) -> bool:

@@ -57,7 +57,7 @@ def estimate_tokens(ctx: CheckContext) -> tuple[int, str]:
 def check_disk(ctx: CheckContext) -> list[CheckResult]:
     cfg = ctx.config
     ws = ctx.workspace
-    from engine.jobs.registry import online_training
+    from engine.registry import online_training
 
     online = online_training(cfg)
     if online:

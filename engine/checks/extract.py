@@ -11,6 +11,21 @@ from engine.system.disk import fmt_bytes
 START_FIX = "start the extraction: `eagle3-console run extract` or `s` on the Extraction pane"
 
 
+def check_extract_stage(ctx: CheckContext) -> list[CheckResult]:
+    """The stage's check. train.mode = online/hybrid captures during training: no extraction is needed, and
+    the stage says so (with where the window lives) instead of asking for one; offline, `check_extract`."""
+    from engine.registry import online_training
+    from engine.train.window import window_budget, window_dir
+
+    cfg = ctx.config
+    if not online_training(cfg):
+        return check_extract(ctx)
+    return [passed("mode", f"not needed: train.mode = {cfg.train.mode!r} captures the states from the server "
+                           f"while training, into {window_dir(ctx.workspace)} (at most "
+                           f"{fmt_bytes(window_budget(cfg))}, train.window_gb); set train.mode = \"offline\" "
+                           "to train from extracted records")]
+
+
 def check_extract(ctx: CheckContext) -> list[CheckResult]:
     from engine.extract.job import BAD_FIX, bad_summary
     from engine.extract.layout import COMPLETE
