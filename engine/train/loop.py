@@ -220,15 +220,14 @@ class Trainer:
         from engine.model.target import TargetError, workspace_plan
         from engine.train.online import OnlineData
 
-        if self.world > 1:
-            raise TrainError(f"train.mode = {self.cfg.mode!r} trains on one process so far (train.num_gpus = "
-                             f"{self.cfg.num_gpus}): set train.num_gpus = 1, or train.mode = \"offline\"")
         try:
             target = workspace_plan(self.ws)  # the layers the server captures: console.toml's
         except TargetError as exc:
             raise TrainError(f"cannot plan the target: {exc}") from None
+        # Each rank captures its own batches into its own share of the window; only rank 0 reports (and
+        # restarts a crashed server).
         return OnlineData(self.ws, target, self.cfg.max_len, self.cfg.eval_fraction, self.cfg.batch_size,
-                          ctx=self.ctx, event=self.event)
+                          ctx=self.ctx if self.is_main else None, event=self.event, rank=self.rank, world=self.world)
 
     def _data_position(self) -> dict:
         """Where the data stands at this step: the next step trains sample `next_index` of epoch `epoch`'s
@@ -257,6 +256,14 @@ class Trainer:
 
     def _data_progress(self) -> dict:
         return self.data.progress_fields(self.step, self.steps_per_epoch) if self.online else {}
+
+    def _sum_window_figures(self) -> None:
+        """Online on several ranks: every rank's window figures summed into the data's `totals`, which its
+        progress and end figures report (on rank 0). Collective: every rank calls it at the same step."""
+        if not self.online or self.world == 1:
+            return
+        figures = torch.tensor(self.data.figures(), dtype=torch.float64, device=self.device)
+        self.data.totals = dict(zip(self.data.FIGURES, self._all_reduce(figures).tolist()))
 
     def _check_numbers(self) -> None:
         """The trainer's own guard (whatever the config validation lets through): a learning rate that is
@@ -553,6 +560,7 @@ class Trainer:
         with BatchPrefetcher(load, range(self.step, limit), self.device) as batches:
             while self.step < limit:
                 if self._should_stop():
+                    self._sum_window_figures()
                     if not self.nonfinite_streak and self.weights_finite():
                         self.save_checkpoint()
                     self.event("stopped", step=self.step)
@@ -568,6 +576,7 @@ class Trainer:
                 tokens += batch.tokens
                 if self.step % self.cfg.log_every == 0 or self.step == limit:
                     window = self._all_reduce(window)
+                    self._sum_window_figures()
                     elapsed = time.perf_counter() - t0
                     summary = summarize(window)
                     last_summary = summary
@@ -585,6 +594,7 @@ class Trainer:
                 if self.step % self.cfg.save_every == 0:
                     self._eval_and_best(last_summary)
                     saved_at = self.step
+        self._sum_window_figures()
         if self.nonfinite_streak and self.step >= self.total_steps:
             raise self._nonfinite_failure(first_nonfinite, self.nonfinite_streak, grad_norm)  # never export it
         if saved_at != self.step:

@@ -27,6 +27,17 @@ the process, so the resumed weights see each sample once per epoch; only the cap
 are repeated. `<drafter_dir>/online_ledger.jsonl` records every consumption (step, sample id), which is
 how tests/test_online.py checks this.
 
+Several trainer ranks (train.num_gpus > 1, torchrun): each rank captures and consumes its own shard,
+the samples of its own batches (the trainer's `_batch_entries`, as offline: step s of rank r trains
+epoch-order positions s*B*W + r*B .. +B-1), into its own window, `<window>/rank<r>/`, of
+`train.window_gb / num_gpus`: the ranks together never hold more than the window plus one batch per
+rank. Each rank keeps its share of the held-out set (the trainer evaluates slice r of it on rank r);
+in hybrid mode a rank keeps the training samples it meets and reuses them when it meets them again
+(a sample another rank kept is captured again: the ranks share no store). Rank 0 writes checkpoints
+and data.json; every rank appends its own ledger lines (with its rank), so the guarantee above holds
+for the ranks together: what any rank consumed at or after the checkpoint's step is trained twice.
+Only rank 0 restarts a crashed server.
+
 Across machines the window would live in an existing store (Mooncake's transfer engine, or a shared
 filesystem), not a transport of our own; this module builds the one-box version.
 """
@@ -62,8 +73,10 @@ from engine.train.data import RecordData, TrainDataError, is_eval
 from engine.train.window import (
     Window,
     WindowClosed,
+    drop_other_layouts,
     files_bytes,
     last_capture_rate,
+    rank_window_dir,
     record_bytes,
     window_budget,
     window_dir,
@@ -100,7 +113,7 @@ class OnlineData(RecordData):
     """The trainer's data source in `train.mode = "online"` or `"hybrid"` (see the module docstring)."""
 
     def __init__(self, workspace, target, max_len: int, eval_fraction: float, batch_size: int,
-                 ctx=None, event: Callable[..., None] | None = None):
+                 ctx=None, event: Callable[..., None] | None = None, rank: int = 0, world: int = 1):
         from engine.extract.plan import build_plan
 
         self.ws = workspace
@@ -113,10 +126,12 @@ class OnlineData(RecordData):
         self.target = target
         self.meta = {"layers": list(target.capture_layers), "hidden_size": target.hidden_size, "mode": self.mode}
         self.batch_size = batch_size
-        self.dir = window_dir(workspace)
+        self.rank, self.world = rank, world
+        self.dir = rank_window_dir(workspace, rank, world)
         self.stream_dir = self.dir / STREAM
         self.kept_dir = self.dir / KEPT
-        self.window = Window(window_budget(self.cfg))
+        self.window = Window(window_budget(self.cfg) // world)  # this rank's share
+        self.totals: dict[str, float] | None = None  # the window's figures summed over the ranks, when set
         plan = build_plan(workspace)
         self.fingerprint = plan.fingerprint
         samples = [s for s in plan.samples if len(s.input_ids) >= 3]
@@ -142,6 +157,8 @@ class OnlineData(RecordData):
         self.keep_budget = 0
         self._rate: float | None = None  # the last capture rate measured in this workspace (tok/s), for the plan
         self.keep_used = 0  # bytes of training records kept or being kept (hybrid), decided in step order
+        if rank == 0:
+            drop_other_layouts(window_dir(workspace), world)  # a run of another num_gpus left them
         self._open_kept()  # the trainer holds the drafter's lock: no other run uses this window
         self._plan_keep_budget()
 
@@ -154,14 +171,18 @@ class OnlineData(RecordData):
             held = held[1:]
         held_ids = {e.id for e in held}
         self.train_entries = [e for e in usable if e.id not in held_ids]
-        # Only the held-out records that fit in a share of the window are kept (and evaluated on).
-        room, kept_eval = int(self.window.budget * EVAL_SHARE), []
+        # Only the held-out records that fit in a share of the window are kept (and evaluated on). With
+        # several ranks, kept record i is rank i % world's (the trainer evaluates eval_entries[rank::world])
+        # and counts in that rank's window: the list is the same on every rank.
+        room, kept_eval = [int(self.window.budget * EVAL_SHARE)] * self.world, list[RecordEntry]()
         for entry in held:
-            if entry.bytes > room:
+            owner = len(kept_eval) % self.world
+            if entry.bytes > room[owner]:
                 break
             kept_eval.append(entry)
-            room -= entry.bytes
+            room[owner] -= entry.bytes
         self.eval_entries = kept_eval
+        self.own_eval = kept_eval[self.rank::self.world]  # the ones this rank captures, keeps and evaluates
         self.held_out = len(held)
 
     def token_counts(self):
@@ -200,7 +221,7 @@ class OnlineData(RecordData):
         for path in list(self.kept_dir.glob("records/*/*")):  # a record killed before its manifest line
             if path.relative_to(self.kept_dir).as_posix() not in named:
                 path.unlink(missing_ok=True)
-        held = {e.id for e in self.eval_entries}
+        held = {e.id for e in self.own_eval}
         wanted = held | ({e.id for e in self.train_entries} if self.mode == "hybrid" else set())
         good = []
         for entry in entries.values():
@@ -223,7 +244,7 @@ class OnlineData(RecordData):
         largest = max(e.bytes for e in self.train_entries)
         requests = self.cfg.extract.concurrency * (1 + len(self.cfg.extract.endpoints))  # as the workers
         in_flight = (self.batch_size + requests) * largest
-        eval_bytes = sum(e.bytes for e in self.eval_entries)
+        eval_bytes = sum(e.bytes for e in self.own_eval)
         self.keep_budget = max(0, self.window.budget - eval_bytes - in_flight)
 
     def start(self, batch_entries: Callable[[int], list[RecordEntry]], first_step: int, limit: int) -> None:
@@ -231,7 +252,8 @@ class OnlineData(RecordData):
         shutil.rmtree(self.stream_dir, ignore_errors=True)
         self.stream_dir.mkdir(parents=True, exist_ok=True)
         # The plan went out with the trainer's `started` event; data.json keeps it beside the drafter.
-        atomic.write_json(self.ws.drafter_dir / DATA_NOTE, {**self.plan_fields(), "t": time.time()})
+        if self.rank == 0:
+            atomic.write_json(self.ws.drafter_dir / DATA_NOTE, {**self.plan_fields(), "t": time.time()})
         self._thread = threading.Thread(target=self._thread_main, args=(batch_entries, first_step, limit),
                                         name="online-capture", daemon=True)
         self._thread.start()
@@ -244,9 +266,11 @@ class OnlineData(RecordData):
             self._rate = last_capture_rate(self.ws) or 0.0
         estimate = {"capture_rate_seen": round(self._rate, 1),
                     "prefill_s_per_epoch": round(tokens / self._rate, 1)} if self._rate else {}
-        return {**estimate, "mode": self.mode, "window_budget": self.window.budget, "window_kept": self.window.kept,
-                "keep_budget": self.keep_budget, "epoch_tokens": tokens, "offline_bytes": self.offline_bytes(),
-                "eval_kept": len(self.eval_entries), "held_out": self.held_out, "window_dir": str(self.dir)}
+        # window_budget: all ranks' together (each holds budget / world; `started` carries `world`)
+        return {**estimate, "mode": self.mode, "window_budget": self.window.budget * self.world,
+                "window_kept": self.window.kept, "keep_budget": self.keep_budget, "epoch_tokens": tokens,
+                "offline_bytes": self.offline_bytes(), "eval_kept": len(self.eval_entries), "held_out": self.held_out,
+                "window_dir": str(self.dir if self.world == 1 else self.dir.parent)}
 
     # ------------------------------------------------------------------ producer
     def _thread_main(self, batch_entries, first_step: int, limit: int) -> None:
@@ -304,7 +328,7 @@ class OnlineData(RecordData):
 
         workers = [asyncio.create_task(worker()) for _ in range(jobs.maxsize)]
         try:
-            for entry in self.eval_entries:
+            for entry in self.own_eval:
                 if entry.id not in self.kept:
                     await self._dispatch(jobs, entry, -1, keep=True)
             for step in range(first_step, limit):
@@ -364,7 +388,7 @@ class OnlineData(RecordData):
                 await asyncio.to_thread(self._store, job, cap)
                 return
             except Outage:
-                await extractor.wait_for_server(clients[i][0], primary=(i == 0))
+                await extractor.wait_for_server(clients[i][0], primary=(i == 0 and self.rank == 0))
                 await asyncio.sleep(0.5)  # it returns at once when a stop is asked: no busy loop
             except (SampleFailed, RecordError) as exc:
                 attempt += 1
@@ -449,7 +473,7 @@ class OnlineData(RecordData):
 
     def _ledger(self, step: int, sample_id: str) -> None:
         """One line per consumed record; appended without fsync: a kill of the process loses none."""
-        line = json.dumps({"step": step, "id": sample_id, "pid": os.getpid()}) + "\n"
+        line = json.dumps({"step": step, "id": sample_id, "pid": os.getpid(), "rank": self.rank}) + "\n"
         path = self.ws.drafter_dir / LEDGER
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -457,18 +481,30 @@ class OnlineData(RecordData):
         finally:
             os.close(fd)
 
+    FIGURES = ("window_bytes", "window_peak", "window_budget", "captured", "captured_tokens", "consumed_tokens")
+
+    def figures(self) -> list[float]:
+        """This rank's window figures (FIGURES' order); the trainer sums them over the ranks into `totals`."""
+        return [float(x) for x in (self.window.used, self.window.peak, self.window.budget, self.captured,
+                                   self.captured_tokens, self.consumed_tokens)]
+
+    def _figures(self) -> dict[str, float]:
+        return self.totals if self.totals is not None else dict(zip(self.FIGURES, self.figures()))
+
     def progress_fields(self, step: int, steps_per_epoch: int) -> dict[str, Any]:
-        """Producer (capture) and consumer (trainer) rates since the last call, window fill, epoch position."""
+        """Producer (capture) and consumer (trainer) rates since the last call, window fill, epoch position:
+        over every rank once the trainer has set `totals` (each peak summed: a bound of the total's)."""
         now = time.monotonic()
         then, captured, consumed = self._rate_mark
         elapsed = max(now - then, 1e-9)
-        self._rate_mark = (now, self.captured_tokens, self.consumed_tokens)
+        fig = self._figures()
+        self._rate_mark = (now, int(fig["captured_tokens"]), int(fig["consumed_tokens"]))
         epoch, index = divmod(step, steps_per_epoch)
         return {"mode": self.mode, "epoch": epoch + 1, "epoch_step": index, "steps_per_epoch": steps_per_epoch,
-                "capture_tokens_per_s": round((self.captured_tokens - captured) / elapsed, 1),
-                "train_tokens_per_s": round((self.consumed_tokens - consumed) / elapsed, 1),
-                "window_bytes": self.window.used, "window_budget": self.window.budget,
-                "window_peak": self.window.peak, "captured": self.captured}
+                "capture_tokens_per_s": round((fig["captured_tokens"] - captured) / elapsed, 1),
+                "train_tokens_per_s": round((fig["consumed_tokens"] - consumed) / elapsed, 1),
+                "window_bytes": int(fig["window_bytes"]), "window_budget": int(fig["window_budget"]),
+                "window_peak": int(fig["window_peak"]), "captured": int(fig["captured"])}
 
     def close(self) -> dict[str, Any]:
         """Stop capturing, empty stream/ (kept/ stays); what the window held at most."""
@@ -479,8 +515,10 @@ class OnlineData(RecordData):
         if self._thread is not None:
             self._thread.join(timeout=60)
         shutil.rmtree(self.stream_dir, ignore_errors=True)
-        end = {"window_peak": self.window.peak, "window_budget": self.window.budget, "captured": self.captured}
-        if self._thread is not None:
+        fig = self._figures()
+        end = {"window_peak": int(fig["window_peak"]), "window_budget": int(fig["window_budget"]),
+               "captured": int(fig["captured"])}
+        if self._thread is not None and self.rank == 0:
             note = {**self.plan_fields(), **end, "t": time.time()}
             try:
                 old = json.loads((self.ws.drafter_dir / DATA_NOTE).read_text())

@@ -36,6 +36,26 @@ def window_dir(workspace) -> Path:
     return Path(workspace.path(cfg.extract.output_dir)) / "window" / cfg.train.run
 
 
+def rank_window_dir(workspace, rank: int, world: int) -> Path:
+    """One trainer rank's window: the window directory itself on one rank, `rank<r>/` in it on several."""
+    root = window_dir(workspace)
+    return root if world == 1 else root / f"rank{rank}"
+
+
+def drop_other_layouts(root: Path, world: int) -> None:
+    """Remove what a run with another rank count left in the window (its bytes would count on the disk
+    but in no rank's budget): `rank<k>/` for k >= world, and the one-rank stream/ and kept/ on several."""
+    import shutil
+
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        rank = path.name[4:] if path.name.startswith("rank") else ""
+        stale = (rank.isdigit() and (world == 1 or int(rank) >= world)) if rank else (world > 1 and path.name in ("stream", "kept"))
+        if stale and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def window_budget(config) -> int:
     return int(config.train.window_gb * GB)
 
