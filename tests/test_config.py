@@ -130,6 +130,44 @@ def test_set_value_validates():
         set_value(config, "server.port", "abc")
 
 
+SGLANG_TP2 = '[model]\nbackend = "sglang"\ntp_size = 2\n'
+
+
+@pytest.mark.parametrize("text, key, words", [
+    # Several GPUs each, overlapping: refused, naming both keys and the fix.
+    (SGLANG_TP2 + "[server]\ngpus = [0, 1]\n[train]\nnum_gpus = 2\ngpus = [1, 2]\n", "server.gpus",
+     ["overlaps train.gpus on GPU(s) [1]", "disjoint", "server.gpus = [0, 1], train.gpus = [2, 3]"]),
+    ("[server]\ngpus = [0]\n[train]\nnum_gpus = 2\ngpus = [0, 1]\n", "server.gpus",
+     ["overlaps train.gpus on GPU(s) [0]", "only a single GPU may be shared"]),
+    ("[train]\ngpus = [2, 3]\n", "train.gpus", ["train.num_gpus = 1", "set train.num_gpus = 2"]),
+    ("[train]\nnum_gpus = 4\ngpus = [2, 3]\n", "train.gpus", ["set train.num_gpus = 2", "list 4 GPU(s)"]),
+    (SGLANG_TP2 + "[server]\ngpus = [0]\n", "server.gpus",
+     ["model.tp_size x model.dp_size = 2 x 1 = 2", "list 2 GPU(s) in server.gpus"]),
+    ("[server]\ngpus = [0, 1]\n", "server.gpus", ["local backend runs the target on one GPU", "model.backend"]),
+    ("[server]\ngpus = [1, 1]\n", "server.gpus", ["lists a GPU twice"]),
+    ("[train]\ngpus = [-1]\n", "train.gpus[0]", ["is not a GPU index"]),
+    ('[train]\ngpus = "0,1"\n', "train.gpus", ["list of integers"]),
+])
+def test_gpu_sets_are_checked_and_errors_name_the_keys_and_fix(text, key, words):
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    assert info.value.key == key and info.value.fix
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_gpu_sets_default_to_every_gpu_and_may_share_one():
+    assert parse_config("").server.gpus == [] and parse_config("").train.gpus == []  # today's behaviour
+    shared = parse_config("[server]\ngpus = [0]\n[train]\ngpus = [0]\n")  # one GPU, server and trainer on it
+    assert shared.server.gpus == shared.train.gpus == [0]
+    split = parse_config(SGLANG_TP2 + "[server]\ngpus = [0, 1]\n[train]\nnum_gpus = 2\ngpus = [2, 3]\n")
+    assert (split.server.gpus, split.train.gpus) == ([0, 1], [2, 3])
+    # set_value checks as the file would: what it returns always saves and loads again.
+    with pytest.raises(ConfigError, match="train.gpus: overlaps|server.gpus: overlaps"):
+        set_value(set_value(split, "train.num_gpus", 2), "train.gpus", [1, 2])
+    assert parse_config(render_config(split)) == split
+
+
 def test_cli_reports_bad_config_without_traceback(tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
