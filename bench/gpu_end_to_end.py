@@ -13,6 +13,14 @@
 
     python bench/gpu_end_to_end.py --out /tmp/e2e [--target-seconds 110] [--quick]
 
+`--compare-online` (issue 25): after the offline drafter, a second drafter from the same dataset, steps,
+seed and settings with `train.mode = "online"` (states captured from the running server into a window
+of `--online-window-frac` of the offline records' bytes), its window directory sampled every ~50 ms;
+then both drafters evaluated back to back with the server stopped, and one summary block
+(bench/online_compare.py). To fit one call, `--skip-capture-overhead` and a shorter evaluation
+(`--eval-rounds 1 --eval-concurrency 1 --eval-sweep ''`). Every phase's wall time is logged and kept
+in results.json ("phases").
+
 On the lent device (10 minutes a call, 8 files back) the default 110 s of target training leaves
 room for the answer regeneration and the evaluation; copy back only the log, results.json,
 report.json and shots/*.svg. Job progress is logged as it comes and results.json is rewritten after
@@ -43,6 +51,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|code|>{% endif %}"
 )
 SPECIALS = ["<|pad|>", "<|end|>", "<|prompt|>", "<|code|>"]
+
+
+class Laps:
+    """Wall time of each phase since the previous one, logged and kept in results["phases"]."""
+
+    def __init__(self, results: dict, out: Path):
+        self.results, self.out = results, out
+        self.t0 = self.last = time.monotonic()
+        results["phases"] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.results["phases"][name] = round(now - self.last, 1)
+        self.results["phases"]["total"] = round(now - self.t0, 1)
+        log(f"phase {name}: {now - self.last:.1f} s (total {now - self.t0:.1f} s)")
+        self.last = now
+        save_results(self.out, self.results)
 
 
 def save_results(out: Path, results: dict) -> None:
@@ -133,10 +158,10 @@ def train_target(tok, held_in: list[str], held_out: list[str], out: Path, second
     ids, val = flat(held_in), flat(held_out)
     log(f"target corpus: {len(ids):,} held-in tokens, {len(val):,} held-out tokens")
     seq, batch = (128, 8) if quick else (512, 64)
-    dims = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=8, num_attention_heads=4,
-                num_key_value_heads=2) if quick else dict(hidden_size=640, intermediate_size=1728,
-                                                          num_hidden_layers=16, num_attention_heads=10,
-                                                          num_key_value_heads=2)
+    dims = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8, "num_attention_heads": 4,
+            "num_key_value_heads": 2} if quick else {"hidden_size": 640, "intermediate_size": 1728,
+                                                     "num_hidden_layers": 16, "num_attention_heads": 10,
+                                                     "num_key_value_heads": 2}
     config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=False,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
                          rope_theta=10000.0, **dims)
@@ -243,7 +268,7 @@ def screenshot(ws_dir: Path, out: Path, tag: str) -> None:
     cmd = [sys.executable, "-m", "eagle3_console", "screenshot", "-w", str(ws_dir), str(out / "shots"),
            "--tabs", "pipeline", "--size", "160x50", "--settle", "4"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=90)
     except subprocess.TimeoutExpired:
         log(f"screenshot during {tag}: timed out")
         return
@@ -284,7 +309,7 @@ def follow(jobs, job_id: str, status_cmd: list[str], out: Path, tag: str, ws_dir
                 log(f"{tag} {kind}: {json.dumps(detail)[:300]}")
         if samples < 3:
             t0 = time.monotonic()
-            proc = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60)
+            proc = subprocess.run(status_cmd, check=False, capture_output=True, text=True, timeout=60)
             (out / f"status_{tag}_{samples}.json").write_text(proc.stdout)
             samples += 1
             if time.monotonic() - t0 > 5:
@@ -301,6 +326,18 @@ def follow(jobs, job_id: str, status_cmd: list[str], out: Path, tag: str, ws_dir
     return events
 
 
+def job_starter(kind: str):
+    """The product's own starter of a job kind, the one the console and the CLI call."""
+    try:  # engine/registry.py: the one table of stages and jobs
+        from engine.registry import starter
+
+        return starter(kind)
+    except ImportError:  # before the registry left engine/jobs
+        from engine.jobs.registry import STARTERS
+
+        return STARTERS[kind]
+
+
 def capture_loads(text: str) -> list[tuple[int, int]]:
     """"1x16,4x64" -> [(1, 16), (4, 64)]: client processes x requests in flight, per load."""
     loads = []
@@ -312,7 +349,7 @@ def capture_loads(text: str) -> list[tuple[int, int]]:
     return loads
 
 
-def main() -> int:  # noqa: C901 - one linear benchmark
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="/tmp/e2e")
     parser.add_argument("--target-seconds", type=float, default=110.0, help="target training budget (the call has 10 min)")
@@ -329,30 +366,41 @@ def main() -> int:  # noqa: C901 - one linear benchmark
                         help="capture-overhead loads, CLIENTSxIN_FLIGHT,...; the last is the headline")
     parser.add_argument("--regen-tokens", type=int, default=256,
                         help="answers regenerated by the target, this many tokens at most (0: keep the file's)")
+    parser.add_argument("--skip-capture-overhead", action="store_true", help="no capture-overhead rounds")
+    parser.add_argument("--compare-online", action="store_true",
+                        help="also train a drafter with train.mode = online (same data, steps, seed) and compare")
+    parser.add_argument("--online-window-frac", type=float, default=0.03,
+                        help="online window (train.window_gb) as a fraction of the offline records' bytes")
+    parser.add_argument("--port", type=int, default=30123, help="server.port")
+    parser.add_argument("--spool-dir", default="/dev/shm/e2e-spool", help="extract.spool_dir")
     args = parser.parse_args()
+    if not 0 < args.online_window_frac <= 1:
+        parser.error("--online-window-frac must be in (0, 1]: the window is a share of the offline records' bytes")
     import torch
 
     from engine.config import set_value
     from engine.jobs.manager import JobManager
     from engine.server.manager import ServerManager
-    from engine.jobs.registry import start_evaluate, start_extract, start_train
     from engine.workspace import init_workspace
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.is_available()
-    results: dict = {"device": torch.cuda.get_device_name(0) if gpu else "cpu"}
+    results: dict = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "argv": sys.argv[1:]}
+    laps = Laps(results, out)
 
     held_in, held_out, corpus = code_corpus(8_000_000 if args.quick else int(args.corpus_mb * 1e6))
     results["corpus"] = corpus
     log(f"corpus: {corpus}")
+    laps.lap("imports_and_corpus")
     model_dir = out / "target"
     model_dir.mkdir(exist_ok=True)
     tok = build_tokenizer(held_in[:4000], model_dir, 1024 if args.quick else 8192)
     log("tokenizer trained")
+    laps.lap("tokenizer")
     results["target"] = train_target(tok, held_in, held_out, model_dir, args.target_seconds, args.quick)
     log(f"target: {results['target']}")
-    save_results(out, results)
+    laps.lap("target_training")
     if gpu:
         torch.cuda.empty_cache()
 
@@ -371,11 +419,12 @@ def main() -> int:  # noqa: C901 - one linear benchmark
                                                      64 if args.quick else args.regen_tokens, 32 if args.quick else 384)
         train_file = "train_synth.jsonl"
         log(f"answers regenerated by the target: {results['regeneration']}")
+    laps.lap("datasets_and_regeneration")
     config = ws.config
     for key, value in {
         "model.path": str(model_dir), "server.device": "cuda" if gpu else "cpu",
-        "model.dtype": "bfloat16" if gpu else "float32", "server.port": 30123, "dataset.path": train_file,
-        "dataset.eval_path": "eval.jsonl", "dataset.max_seq_len": max(512, args.sample_tokens), "extract.spool_dir": "/dev/shm/e2e-spool",
+        "model.dtype": "bfloat16" if gpu else "float32", "server.port": args.port, "dataset.path": train_file,
+        "dataset.eval_path": "eval.jsonl", "dataset.max_seq_len": max(512, args.sample_tokens), "extract.spool_dir": args.spool_dir,
         "extract.disk_reserve_gb": 2.0, "extract.concurrency": 16, "train.max_len": max(512, args.sample_tokens),
         # 16 records a step: a step of this small drafter is launch-bound, so 16 cost little more than 1
         # (H200: 55 vs 41 ms, bench/training.py --shape e2e); 4 TTT steps for 3 draft steps at decode.
@@ -406,13 +455,14 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     probe = {r.name: r.evidence for r in pipeline.report("capture").results}
     results["capture_probe"] = probe.get("argmax")
     results["server_decode"] = {r.name: r.evidence for r in pipeline.report("server").results}.get("decode")
+    laps.lap("server_and_stages")
 
     # Capture overhead: the same server, prefill-only requests with capture (rid) vs without.
     sys.path.insert(0, str(ROOT / "bench"))
+    import statistics
+
     from capture_overhead import bench as overhead_bench
     from capture_overhead import cpu_summary, round_ratios
-
-    import statistics
 
     # Loads (--capture-loads) on the same server, each 10 alternating rounds a side of 384 prompts x 512
     # tokens. One Python client process tops out near ~300 requests/s of 512 ids (3-5 ms of its CPU each,
@@ -444,10 +494,11 @@ def main() -> int:  # noqa: C901 - one linear benchmark
             f"{min(pairs)}..{max(pairs)}; CPU per side {load['cpu_per_side']}")
         return load
 
-    for clients, concurrency in loads:
-        results["capture_overhead_loads"].append(measure_load(clients, concurrency))
-    results["capture_overhead"] = results["capture_overhead_loads"][-1]["ratio"]
-    save_results(out, results)
+    if not args.skip_capture_overhead:
+        for clients, concurrency in loads:
+            results["capture_overhead_loads"].append(measure_load(clients, concurrency))
+        results["capture_overhead"] = results["capture_overhead_loads"][-1]["ratio"]
+        laps.lap("capture_overhead")
     import httpx
 
     # Whether the prefill-only batches replayed CUDA graphs (and which buckets), and who wrote the
@@ -460,44 +511,128 @@ def main() -> int:  # noqa: C901 - one linear benchmark
     save_results(out, results)
 
     jobs = JobManager(ws.jobs_dir)
-    job = start_extract(ws, jobs)
+    job = job_starter("extract")(ws, jobs)
     events = follow(jobs, job.id, status_cmd, out, "extract", ws_dir)
     progress = [e for e in events if e["type"] == "progress"]
-    finished = [e for e in events if e["type"] == "finished"][0]
-    started_t = [e for e in events if e["type"] == "started"][0]["t"]
+    finished = next(e for e in events if e["type"] == "finished")
+    started_t = next(e for e in events if e["type"] == "started")["t"]
     secs = finished["t"] - started_t
     results["extraction"] = {"samples": finished["samples"], "tokens": finished["tokens"], "bytes": finished["bytes"],
                              "seconds": round(secs, 1), "tok_s": round(finished["tokens"] / secs),
                              "mb_s": round(finished["bytes"] / secs / 1e6, 1),
                              "peak_tok_s": max((p.get("tokens_per_s") or 0) for p in progress) if progress else None}
     log(f"extraction {results['extraction']}")
-    save_results(out, results)
-    asyncio.run(manager.stop(grace=10))  # free the GPU for training and evaluation
+    laps.lap("extraction")
+    if not args.compare_online:  # else kept for the online leg (idle while the offline drafter trains)
+        asyncio.run(manager.stop(grace=10))  # free the GPU for training and evaluation
 
-    job = start_train(ws, jobs)
+    from online_compare import trainer_rate
+
+    job = job_starter("train")(ws, jobs)
     follow(jobs, job.id, status_cmd, out, "train", ws_dir, shot_after_s=75.0)
-    metrics = [json.loads(line) for line in (ws.drafter_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train_lines = [m for m in metrics if m.get("type", "train") == "train" and "tokens_per_s" in m]
-    evals = [m for m in metrics if m.get("type") == "eval"]
-    results["drafter_training"] = {
-        "steps": train_lines[-1].get("step") if train_lines else None,
-        "tok_s": round(statistics.median([m["tokens_per_s"] for m in train_lines[len(train_lines) // 3:]]))
-        if train_lines else None,
-        "final_eval": {k: v for k, v in (evals[-1] if evals else {}).items() if k in ("loss", "sim_al", "acc", "accept")},
-    }
+    results["drafter_training"] = trainer_rate(ws.drafter_dir / "metrics.jsonl")
     log(f"drafter training {results['drafter_training']}")
-    save_results(out, results)
+    laps.lap("offline_training")
 
-    job = start_evaluate(ws, jobs)
-    events = follow(jobs, job.id, status_cmd, out, "evaluate")
-    final = [e for e in events if e["type"] == "finished"][0]
-    report = json.loads((ws.eval_dir / "report.json").read_text())
+    online_error = None
+    if args.compare_online:
+        online_error = train_online(ws, jobs, status_cmd, out, results, args.online_window_frac)
+        laps.lap("online_training")
+        asyncio.run(manager.stop(grace=10))  # both drafters evaluated alike: our server stopped
+        laps.lap("server_stop")
+        ws.save_config(set_value(set_value(ws.config, "train.run", "run1"), "evaluate.run", "run1"))
+
+    report = evaluate(ws, jobs, status_cmd, out, "evaluate", "report.json")
     results["evaluation"] = report.get("overall")
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    print(final.get("table", ""))
+    laps.lap("evaluation")
+    if args.compare_online and online_error is None:
+        ws.save_config(set_value(set_value(ws.config, "train.run", ONLINE_RUN), "evaluate.run", ONLINE_RUN))
+        online_report = evaluate(ws, jobs, status_cmd, out, "evaluate_online", "report_online.json")
+        results["online"]["evaluation"] = online_report.get("overall")
+        laps.lap("online_evaluation")
+        compare(results, report, online_report)
+    elif args.compare_online:
+        log(f"online leg failed, no comparison: {online_error}")
     save_results(out, results)
     print(json.dumps(results, indent=2))
-    return 0
+    if args.compare_online and "comparison" in results:
+        print(render_comparison(results["comparison"]))
+    return 0 if online_error is None else 1
+
+
+ONLINE_RUN = "online1"  # train.run (and evaluate.run) of the online drafter; the offline one is run1
+
+
+def evaluate(ws, jobs, status_cmd: list[str], out: Path, tag: str, name: str) -> dict:
+    """The evaluation job on the drafter train.run names; its report is copied to out/<name>."""
+    job = job_starter("evaluate")(ws, jobs)
+    events = follow(jobs, job.id, status_cmd, out, tag)
+    final = next(e for e in events if e["type"] == "finished")
+    report = json.loads((ws.eval_dir / "report.json").read_text())
+    (out / name).write_text(json.dumps(report, indent=2))
+    print(final.get("table", ""), flush=True)
+    return report
+
+
+def train_online(ws, jobs, status_cmd: list[str], out: Path, results: dict, window_frac: float) -> str | None:
+    """The same training job with train.mode = "online" into train.run = ONLINE_RUN, the server up; the
+    window directory sampled every ~50 ms meanwhile. None when it succeeded, else why not."""
+    from online_compare import DirPeak, job_rate, trainer_rate
+
+    from engine.config import set_value
+    from engine.train.window import GB, window_budget, window_dir
+
+    offline_bytes = results["extraction"]["bytes"]
+    window_gb = max(0.0001, round(offline_bytes * window_frac / GB, 4))
+    config = ws.config
+    for key, value in {"train.mode": "online", "train.window_gb": window_gb, "train.run": ONLINE_RUN}.items():
+        config = set_value(config, key, value)
+    ws.save_config(config)
+    budget, wdir = window_budget(ws.config), window_dir(ws)
+    results["online"] = {"window_gb": window_gb, "window_budget": budget, "offline_records_bytes": offline_bytes,
+                         "window_share": round(budget / offline_bytes, 4), "window_dir": str(wdir)}
+    log(f"online training: window {budget:,} B = {budget / offline_bytes:.1%} of the offline records' "
+        f"{offline_bytes:,} B, in {wdir}")
+    sampler = DirPeak(wdir)
+    sampler.start()
+    error = None
+    try:
+        job = job_starter("train")(ws, jobs)
+        events = follow(jobs, job.id, status_cmd, out, "train_online")
+    except SystemExit as exc:  # the job failed: keep the offline figures, report why
+        error, events = str(exc), []
+    finally:
+        results["online"]["window_sampled"] = sampler.stop()
+    results["online"]["error"] = error
+    if error is None:
+        results["online"]["training"] = trainer_rate(ws.drafter_dir / "metrics.jsonl")
+        results["online"]["job"] = job_rate(events)
+        log(f"online training {results['online']['training']}; job {results['online']['job']}")
+    log(f"online window sampled: {results['online']['window_sampled']} (budget {budget:,} B)")
+    save_results(out, results)
+    return error
+
+
+def compare(results: dict, offline_report: dict, online_report: dict) -> None:
+    from online_compare import acceptance_interval, summary
+
+    online = results["online"]
+    block = summary(acceptance_interval(offline_report.get("prompts") or []),
+                    acceptance_interval(online_report.get("prompts") or []),
+                    results["extraction"]["tok_s"], results["drafter_training"]["tok_s"],
+                    online["training"]["tok_s"], online["window_sampled"], online["window_budget"])
+    # For reading the ratio: the extraction's best 15 s and the online job's own producer/consumer medians.
+    block["rates"]["capture_peak_tok_s"] = results["extraction"].get("peak_tok_s")
+    block["rates"]["online_job"] = online.get("job")
+    block["speedup_interval"] = {side: (r.get("measurement") or {}).get("speedup")
+                                 for side, r in (("offline", offline_report), ("online", online_report))}
+    results["comparison"] = block
+
+
+def render_comparison(block: dict) -> str:
+    from online_compare import render
+
+    return render(block)
 
 
 if __name__ == "__main__":
