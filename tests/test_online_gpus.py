@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.config import ConfigError, set_value
+from engine.config import ConfigError, parse_config, set_value
 from tests.helpers.workspaces import make_workspace, write_conversations
 
 META = {"spool_sessions.txt", "manifest.jsonl", "run.json"}  # the window's small bookkeeping files
@@ -51,6 +51,21 @@ def test_gpu_sets_reach_the_server_and_the_training_job(tiny_chat_model_dir, tmp
     spec = build_sglang_spec(ws, capture=False, version="0.5.23", compute_capability=(9, 0))
     assert spec.env["CUDA_VISIBLE_DEVICES"] == "0,2" and spec.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert any("server.gpus" in note for note in spec.notes)
+
+
+def test_gpus_stage_shows_the_split_and_warns_when_online_training_would_share_several():
+    from engine.checks.gpus import _split_check
+
+    split = parse_config('[model]\nbackend = "sglang"\ntp_size = 2\n[server]\ngpus = [0, 1]\n'
+                   '[train]\nmode = "online"\nnum_gpus = 2\ngpus = [2, 3]\n')
+    result = _split_check(split, [0, 1, 2, 3])
+    assert result.status.value == "pass" and result.evidence == "server GPU 0,1 · trainer GPU 2,3"
+    missing = _split_check(split, [0, 1])
+    assert missing.status.value == "fail" and "[2, 3] not visible" in missing.evidence and "nvidia-smi" in missing.fix
+    shared = _split_check(parse_config('[train]\nmode = "online"\nnum_gpus = 2\n'), [0, 1])
+    assert shared.status.value == "warn" and "same GPUs" in shared.evidence and "train.gpus" in shared.fix
+    one = _split_check(parse_config('[train]\nmode = "online"\n'), [0])  # one GPU, shared: the H200 has room
+    assert one.status.value == "pass" and one.evidence == "server every visible GPU · trainer every visible GPU"
 
 
 # ---------------------------------------------------------------------------- two trainer ranks
