@@ -169,12 +169,9 @@ def test_two_ranks_train_disjoint_shards_within_the_window_and_resume_after_kill
             assert info.active, f"the run ended before a checkpoint and two more steps: {jobs.tail(info.id, 20)}"
             ranks = torchrun.children(recursive=True)
             assert len(ranks) >= 2
-            for proc in [torchrun, *ranks]:  # torchrun and its ranks (own sessions: a torchrun kill leaves them)
-                try:
-                    proc.send_signal(signal.SIGKILL)
-                except psutil.NoSuchProcess:
-                    pass
-            psutil.wait_procs([torchrun, *ranks], timeout=20)
+            torchrun.send_signal(signal.SIGKILL)  # kill -9 of the job: its ranks (own sessions) die with it
+            _, alive = psutil.wait_procs(ranks, timeout=20)
+            assert not alive, f"ranks left running after torchrun was killed: {alive}"
             while jobs.get(info.id).active:
                 time.sleep(0.05)
             started = next(e for e in first if e.get("type") == "started")

@@ -136,6 +136,8 @@ class Trainer:
         from engine.model.lmhead import LmHeadError, load_lm_head
         from engine.records import RecordError
 
+        if self.world > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
+            die_with_launcher()
         if self.world > 1 and not torch.distributed.is_initialized():
             torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         if self.device.type == "cuda":
@@ -629,6 +631,23 @@ class Trainer:
         self.event("finished", step=self.step, export=str(path), best_sim_al=self.best_sim_al,
                    best_step=(marker or {}).get("step"), **({"best_rejected": rejected} if rejected else {}))
         return path
+
+
+def die_with_launcher() -> bool:
+    """A torchrun rank dies (SIGKILL) when torchrun does. torchrun starts each rank in a session of its
+    own, so a kill -9 of the training job (torchrun) would leave the ranks training on, holding the
+    drafter's lock and writing checkpoints, with no job to show or stop them; dead, they resume from the
+    checkpoint like any crash. Linux only (prctl PR_SET_PDEATHSIG); False where it cannot be set."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
 
 
 def install_stop_handler(trainer: Trainer) -> None:
