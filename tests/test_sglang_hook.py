@@ -61,9 +61,9 @@ def run_batch(module, batch: Batch, chunks, aux_as_list: bool = False):
     module(ids, final, None, batch, aux_arg)
 
 
-@pytest.fixture()
-def hooked(tmp_path):
-    hook = CaptureHook(str(tmp_path / "spool"), LAYERS, rank_fn=lambda: 0)
+@pytest.fixture(params=["process", "thread"])
+def hooked(tmp_path, request):
+    hook = CaptureHook(str(tmp_path / "spool"), LAYERS, rank_fn=lambda: 0, writer=request.param)
     module = LogitsProcessor()
     module.register_forward_hook(hook)
     yield hook, module, tmp_path / "spool"
@@ -88,7 +88,8 @@ def test_batches_chunks_health_and_decode_assemble_exactly(hooked):
     # Batch 3: c's last chunk (prefix 9).
     run_batch(module, Batch(ForwardMode.EXTEND, ["xc"], [3], [9]), [tuple(t[9:] for t in c)])
     assert hook.flush(10)
-    assert hook.errors == []
+    assert hook.errors == [] and hook.written == 5
+    assert hook.batches_by_process == (3 if hook.writer == "process" else 0)  # the three extend batches
 
     for rid, (ids, aux, final) in {"xa": a, "xb": b, "xc": c}.items():
         cap = assemble(spool, rid, expected_len=len(ids), expected_input_ids=ids.tolist())
@@ -123,7 +124,7 @@ def test_factory_reads_environment_and_refuses_without_it(tmp_path, monkeypatch)
     monkeypatch.delenv("EAGLE3_CAPTURE_SPOOL", raising=False)
     monkeypatch.delenv("EAGLE3_CAPTURE_LAYERS", raising=False)
     with pytest.raises(CaptureConfigError, match="EAGLE3_CAPTURE_SPOOL"):
-        make_capture_hook({})
+        make_capture_hook({"sglang": "0.5.23"})
     monkeypatch.setenv("EAGLE3_CAPTURE_SPOOL", str(tmp_path / "s"))
     monkeypatch.setenv("EAGLE3_CAPTURE_LAYERS", "1,2,3")
     with pytest.raises(CaptureConfigError, match="differ"):
@@ -134,3 +135,44 @@ def test_factory_reads_environment_and_refuses_without_it(tmp_path, monkeypatch)
         assert hook._rank_fn() == 0  # no sglang, no torch.distributed: a single writer
     finally:
         hook.close()
+
+
+def test_writer_process_death_and_oversized_batches_fall_back_to_the_thread(tmp_path):
+    """The writer process killed under the hook: what it held is reported (the extraction retries those
+    requests), later batches are written by the hook's thread; a batch larger than a slot is too."""
+    import os
+    import signal
+    import time
+
+    spool = tmp_path / "spool"
+    hook = CaptureHook(str(spool), LAYERS, rank_fn=lambda: 0, slot_tokens=8)
+    module = LogitsProcessor()
+    module.register_forward_hook(hook)
+    a, b, c = full_states(1, 6), full_states(2, 20), full_states(3, 5)
+    run_batch(module, Batch(ForwardMode.EXTEND, ["xa"], [6], [0]), [a])
+    assert hook.flush(30) and hook.batches_by_process == 1 and hook.writer_state == "process"
+    run_batch(module, Batch(ForwardMode.EXTEND, ["xb"], [20], [0]), [b])  # 20 tokens > an 8-token slot
+    assert hook.flush(30) and hook.batches_by_process == 1 and hook.written == 2
+    pid = hook.writer_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while hook.writer_state == "process" and time.monotonic() < deadline:  # the reply thread sees the pipe close
+        time.sleep(0.01)
+    run_batch(module, Batch(ForwardMode.EXTEND, ["xc"], [5], [0]), [c])
+    assert hook.flush(30)
+    hook.close()
+    assert hook.writer_state == "thread" and hook.errors == [] and hook.written == 3
+    for rid, (ids, aux, final) in {"xa": a, "xb": b, "xc": c}.items():
+        cap = assemble(spool, rid, expected_len=len(ids), expected_input_ids=ids.tolist())
+        assert torch.equal(cap.aux_hidden_state, aux) and torch.equal(cap.hidden_state, final)
+
+
+def test_writer_setting_is_checked(tmp_path, monkeypatch):
+    with pytest.raises(CaptureConfigError, match="process"):
+        CaptureHook(str(tmp_path), LAYERS, rank_fn=lambda: 0, writer="fork")
+    monkeypatch.setenv("EAGLE3_CAPTURE_SPOOL", str(tmp_path))
+    monkeypatch.setenv("EAGLE3_CAPTURE_LAYERS", "1,2,3")
+    monkeypatch.setenv("EAGLE3_CAPTURE_SLOT_TOKENS", "lots")
+    with pytest.raises(CaptureConfigError, match="EAGLE3_CAPTURE_SLOT_TOKENS='lots'"):
+        make_capture_hook({"sglang": "0.5.23"})

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.checks.context import CheckContext
 from engine.config import ConfigError, set_value
@@ -307,3 +308,88 @@ print("PARSED " + json.dumps({k: getattr(ns, k) for k in keys}))
     assert parsed["forward_hooks"][0]["hook_factory"] == HOOK_FACTORY
     assert parsed["attention_backend"] == "triton" and parsed["nnodes"] == 2 and parsed["dist_init_addr"] == "h:1"
     assert parsed["skip_server_warmup"] and parsed["api_key"] == "k" and parsed["dtype"] == "bfloat16"
+
+
+HOOK_DRIVER = '''
+import json, os, sys
+from dataclasses import dataclass
+
+import native_stubs  # noqa: F401
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.hook_manager import register_forward_hooks
+
+
+class LogitsProcessor(torch.nn.Module):  # called positionally, as SGLang's model runner calls its own
+    def forward(self, input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states=None):
+        return hidden_states.sum()
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.logits_processor = LogitsProcessor()
+
+
+@dataclass
+class Batch:  # the ForwardBatch attributes the hook reads; test_hook_relies_only_on_names_sglang_defines
+    forward_mode: ForwardMode
+    rids: list
+    extend_seq_lens_cpu: list
+    extend_prefix_lens_cpu: list
+
+
+specs, hidden_size, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+model = Model()
+register_forward_hooks(model, specs)  # SGLang imports our factory and registers what it returns
+hook = next(iter(model.logits_processor._forward_hooks.values()))
+layers = len(hook.layers)
+g = torch.Generator().manual_seed(0)
+states = {rid: (torch.randint(0, 100, (n,), generator=g),
+                torch.randn(n, layers * hidden_size, generator=g).to(torch.bfloat16),
+                torch.randn(n, hidden_size, generator=g).to(torch.bfloat16)) for rid, n in (("ra", 9), ("rb", 5))}
+health = {"HEALTH_CHECK_x": tuple(t[:1] for t in states["ra"])}  # SGLang's own health probe: not captured
+
+
+def run(mode, rows):  # rows: (rid, start, end) slices of each request's states, packed as SGLang packs them
+    parts = [tuple(t[start:end] for t in {**states, **health}[rid]) for rid, start, end in rows]
+    ids, aux, final = (torch.cat([p[i] for p in parts]) for i in range(3))
+    batch = Batch(mode, [r[0] for r in rows], [r[2] - r[1] for r in rows], [r[1] for r in rows])
+    model.logits_processor(ids, final, None, batch, list(aux.split(hidden_size, dim=-1)))
+
+
+run(ForwardMode.EXTEND, [("ra", 0, 9), ("rb", 0, 3), ("HEALTH_CHECK_x", 0, 1)])  # rb's first chunk
+run(ForwardMode.DECODE, [("ra", 0, 1)])
+run(ForwardMode.EXTEND, [("rb", 3, 5)])  # rb's second chunk, starting at position 3
+assert hook.flush(60)
+torch.save(states, out)
+print(json.dumps({"by_process": hook.batches_by_process, "written": hook.written, "errors": hook.errors,
+                  "writer": hook.writer_state}))
+hook.close()
+'''
+
+
+def test_sglang_hook_manager_drives_our_hook_through_the_writer_process(ws, tmp_path, sglang_importable,
+                                                                        monkeypatch):
+    """SGLang 0.5.23's own hook manager imports the factory our argv names, registers it on the module our
+    pattern matches, and the forward calls (SGLang's ForwardMode) reach the writer process: the spool holds
+    exactly the extend rows of client rids, chunks at their positions, assembled by our reader."""
+    from engine.capture.segments import assemble, list_segments
+    from engine.sglang.hook import ENV_LAYERS, ENV_SPOOL
+
+    spec = spec_for(ws)
+    hooks = flag_value(spec.argv, "--forward-hooks")
+    spool = tmp_path / "hook-spool"
+    out = tmp_path / "states.pt"
+    monkeypatch.setenv(ENV_SPOOL, str(spool))  # what the console sets in the server's environment
+    monkeypatch.setenv(ENV_LAYERS, spec.env[ENV_LAYERS])
+    hidden = json.loads((ws.model_dir / "config.json").read_text())["hidden_size"]
+    stdout = run_with_sglang(sglang_importable, HOOK_DRIVER, hooks, str(hidden), str(out), timeout=180)
+    stats = json.loads(stdout.strip().splitlines()[-1])
+    assert stats == {"by_process": 2, "written": 3, "errors": [], "writer": "process"}, stdout
+    states = torch.load(out)
+    for rid, (ids, aux, final) in states.items():
+        cap = assemble(spool, rid, expected_len=len(ids), expected_input_ids=ids.tolist())
+        assert torch.equal(cap.aux_hidden_state, aux) and torch.equal(cap.hidden_state, final)
+    assert [s.start for s in list_segments(spool, "rb")] == [0, 3]
+    assert sorted(p.name for p in spool.iterdir()) == ["ra", "rb"]

@@ -211,14 +211,31 @@ class SpoolWriterProcess:
         once the tensors are copied (the caller may reuse them); `on_done(errors)` is called later,
         from another thread, with one None or error message per row. Blocks while every slot is in
         the child's hands. SpoolProcessError if the child is gone (nothing was handed over)."""
+        rows = [(rid, 0, i, int(n)) for i, (rid, n) in enumerate(zip(rids, lengths))]
+        self._hand_over(rows, False, (input_ids, aux, final), on_done)
+
+    def submit_packed(self, segments: Sequence[tuple[str, int, int]], input_ids: torch.Tensor,
+                      aux: torch.Tensor, final: torch.Tensor,
+                      on_done: Callable[[list[str | None]], None]) -> None:
+        """As `submit`, for rows packed one after another as SGLang lays out an extend batch:
+        segment i is (rid, start position, tokens), its rows follow segment i-1's in `input_ids` [T],
+        `aux` [T, k*H] and `final` [T, H]; a segment starting past 0 is a chunk of a longer prompt."""
+        rows, offset = [], 0
+        for rid, start, n in segments:
+            rows.append((rid, int(start), offset, int(n)))
+            offset += int(n)
+        self._hand_over(rows, True, (input_ids, aux, final), on_done)
+
+    def _hand_over(self, rows: list[tuple[str, int, int, int]], packed: bool, tensors: tuple[torch.Tensor, ...],
+                   on_done: Callable[[list[str | None]], None]) -> None:
         if self._dead is not None or self._arena is None:
             raise SpoolProcessError(self._dead or "the capture writer process is not running")
-        if not self.fits(input_ids, aux, final):
+        if not self.fits(*tensors):
             raise ValueError("batch larger than a shared-memory slot: check fits() first")
         slot = self._free.get()
         base = slot * self.slot_bytes
         blocks, offset = [], 0
-        for tensor in (input_ids, aux, final):
+        for tensor in tensors:
             block = _Block(offset, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
             _view(self._arena, base, block).copy_(tensor)  # one large copy, outside the GIL
             blocks.append(block)
@@ -228,9 +245,9 @@ class SpoolWriterProcess:
             if self._dead is not None:
                 self._free.put(slot)
                 raise SpoolProcessError(self._dead)
-            self._pending[batch_id] = (slot, on_done, len(rids))
+            self._pending[batch_id] = (slot, on_done, len(rows))
             try:
-                self._conn.send((batch_id, base, list(rids), [int(n) for n in lengths], blocks))
+                self._conn.send((batch_id, base, rows, packed, blocks))
             except OSError as exc:
                 del self._pending[batch_id]
                 self._free.put(slot)
@@ -276,17 +293,23 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
     send_lock = threading.Lock()
     conn.send("ready")
 
-    def write_row(ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, rid: str, n: int) -> str | None:
+    def write_row(ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, rid: str, start: int) -> str | None:
         try:
-            write_segment(spool_dir, rid, 0, ids[:n], aux[:n], final[:n], layers)
+            write_segment(spool_dir, rid, start, ids, aux, final, layers)
         except Exception as exc:  # reported per row: one bad request must not fail its batch
             return f"capture write failed: {one_line(exc)}"
         return None
 
-    def write_batch(batch_id: int, base: int, rids: list[str], lengths: list[int], blocks: list[_Block]) -> None:
+    def write_batch(batch_id: int, base: int, segments: list[tuple[str, int, int, int]], packed: bool,
+                    blocks: list[_Block]) -> None:
         ids, aux, final = (_view(arena, base, block) for block in blocks)
-        errors = list(rows.map(lambda i: write_row(ids[i], aux[i], final[i], rids[i], lengths[i]),
-                               range(len(rids))))
+
+        def one(segment: tuple[str, int, int, int]) -> str | None:
+            rid, start, at, n = segment  # packed: rows at..at+n; padded: row `at`, its first n
+            pick = (slice(at, at + n),) if packed else (at, slice(0, n))
+            return write_row(ids[pick], aux[pick], final[pick], rid, start)
+
+        errors = list(rows.map(one, segments))
         with send_lock:
             conn.send((batch_id, errors))
 

@@ -18,8 +18,13 @@ Ids are validated as file names before use. Rows are sliced per request by
 extend_seq_lens_cpu; extend_prefix_lens_cpu is the segment's start position, so chunked
 prefill leaves one segment per chunk that `assemble` stitches.
 
-The forward never waits on disk: rows are copied asynchronously into pinned host memory,
-a CUDA event marks the copy, and a daemon thread waits on the event and writes the files.
+The forward never waits on disk: the batch's captured rows are copied asynchronously into pinned
+host memory, a CUDA event marks the copy, and a daemon thread waits on the event and hands the batch
+to a writer *process* (engine.capture.spool_process, the local server's design): here the hook shares
+the GIL with SGLang's scheduler, and a writer thread's system calls would take it from the thread that
+launches the model. One copy into shared memory and one pipe message per batch; the child writes the
+segments. Until the child is up (it starts on the first captured batch), when a batch is larger than
+its slot, or if it dies, the thread writes the segments itself (`EAGLE3_CAPTURE_WRITER=thread` always).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ logger = logging.getLogger("eagle3_console.capture_hook")
 
 ENV_SPOOL = "EAGLE3_CAPTURE_SPOOL"
 ENV_LAYERS = "EAGLE3_CAPTURE_LAYERS"
+ENV_WRITER = "EAGLE3_CAPTURE_WRITER"  # "process" (default) or "thread"
+ENV_SLOT_TOKENS = "EAGLE3_CAPTURE_SLOT_TOKENS"  # tokens one shared-memory slot holds (an extend batch's)
+DEFAULT_SLOT_TOKENS = 8192  # SGLang's chunked prefill size on most GPUs: a whole extend batch fits
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 _GENERATED_RID = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex, what SGLang assigns when no rid is given
 MAX_PENDING_BATCHES = 256  # beyond this the forward blocks rather than exhausting pinned memory
@@ -56,7 +64,10 @@ class CaptureConfigError(EngineError, RuntimeError):
 @dataclass
 class _Pending:
     event: Any  # torch.cuda.Event or None for CPU tensors
-    items: list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]  # rid, start, ids, aux, final
+    segments: list[tuple[str, int, int]]  # rid, start position, tokens: packed one after another below
+    ids: torch.Tensor  # [T] on the host (pinned when the batch came from a GPU)
+    aux: torch.Tensor  # [T, k*H]
+    final: torch.Tensor  # [T, H]
 
 
 def should_capture(rid: Any, health_prefix: str = HEALTH_CHECK_PREFIX) -> bool:
@@ -87,6 +98,14 @@ def _to_host(src: torch.Tensor) -> torch.Tensor:
     return src.detach().clone()
 
 
+def _kept_rows(tensor: torch.Tensor, spans: list[tuple[int, int]], total: int) -> torch.Tensor:
+    """The rows of `spans` (offset, length; in order, disjoint) packed together: a view when they are
+    all `total` rows of the batch, the usual case."""
+    if sum(n for _, n in spans) == total:
+        return tensor[:total]
+    return torch.cat([tensor[at:at + n] for at, n in spans])
+
+
 def sglang_writer_rank(functions: tuple[str, ...]) -> int:
     """This worker's rank among the TP ranks that share its batch; 0 when not distributed."""
     for path in functions:
@@ -105,20 +124,41 @@ class CaptureHook:
     """A `register_forward_hook` callable writing spool segments; see the module docstring."""
 
     def __init__(self, spool_dir: str, layers: list[int], rank_fn: Callable[[], int],
-                 health_prefix: str = HEALTH_CHECK_PREFIX) -> None:
+                 health_prefix: str = HEALTH_CHECK_PREFIX, writer: str = "process",
+                 slot_tokens: int = DEFAULT_SLOT_TOKENS) -> None:
+        if writer not in ("process", "thread"):
+            raise CaptureConfigError(f"{ENV_WRITER}={writer!r}: use \"process\" or \"thread\"")
         self.spool_dir = spool_dir
         self.layers = list(layers)
         self.health_prefix = health_prefix
+        self.writer = writer
+        self.slot_tokens = max(1, int(slot_tokens))
         self._rank_fn = rank_fn
         self._rank: int | None = None
         self._queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=MAX_PENDING_BATCHES)
         self._idle = threading.Condition()
         self._outstanding = 0
         self.written = 0
+        self.batches_by_process = 0  # batches the writer process wrote (the rest: this process's thread)
         self.errors: list[str] = []
         self._warned: set[str] = set()
+        self._process: Any = None  # SpoolWriterProcess once started
+        self._process_state = "off" if writer == "thread" else "not started"
         self._thread = threading.Thread(target=self._writer, name="eagle3-capture-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def writer_state(self) -> str:
+        """Who writes the segments: "process" (the writer process runs), "thread" (by choice, or since
+        the process failed to start or died: see the server log), or "not started" (no batch yet)."""
+        if self._process_state == "running":
+            return "process"
+        return "not started" if self._process_state == "not started" else "thread"
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's pid while it runs (for `jobs stacks` and the operator's eyes)."""
+        return self._process.pid if self._process_state == "running" else None
 
     # -- forward side
     def __call__(self, module: Any, inputs: tuple, output: Any) -> None:
@@ -144,17 +184,20 @@ class CaptureHook:
                                    "with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3?")
             return
         input_ids, hidden = inputs[0], inputs[1]
-        items = []
+        segments, spans = [], []
         offset = 0
         for rid, length, start in zip(rids, seq_lens, prefix_lens):
             length, start = int(length), int(start)
-            rows = slice(offset, offset + length)
+            at = offset
             offset += length
             if length <= 0 or not should_capture(rid, self.health_prefix):
                 continue
-            items.append((rid, start, _to_host(input_ids[rows]), _to_host(aux[rows]), _to_host(hidden[rows])))
-        if not items:
+            segments.append((rid, start, length))
+            spans.append((at, length))
+        if not segments:
             return
+        # One host copy a tensor for the whole batch (the rows kept, packed), not one per request.
+        ids, aux_rows, final = (_to_host(_kept_rows(t, spans, offset)) for t in (input_ids, aux, hidden))
         event = None
         if hidden.is_cuda:
             # Blocking: the writer sleeps until the copies land instead of spinning a core (CUDA
@@ -163,7 +206,7 @@ class CaptureHook:
             event.record()
         with self._idle:
             self._outstanding += 1
-        self._queue.put(_Pending(event, items))
+        self._queue.put(_Pending(event, segments, ids, aux_rows, final))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -176,20 +219,84 @@ class CaptureHook:
             pending = self._queue.get()
             if pending is None:
                 return
+            handed = False
             try:
                 if pending.event is not None:
                     pending.event.synchronize()
-                for rid, start, ids, aux, final in pending.items:
-                    try:
-                        write_segment(self.spool_dir, rid, start, ids, aux, final, self.layers)
-                        self.written += 1
-                    except Exception as exc:  # a full disk must not kill the server; the probe reports gaps
-                        self.errors.append(f"{rid}@{start}: {exc}")
-                        logger.error("eagle3-console capture hook: writing %s@%d failed: %s", rid, start, exc)
+                handed = self._to_process(pending)
+                if not handed:
+                    self._write_here(pending)
             finally:
+                if not handed:
+                    self._done()
+
+    def _to_process(self, pending: _Pending) -> bool:
+        """Hand the batch to the writer process (started on the first batch); False: write it here."""
+        from engine.capture.spool_process import SpoolProcessError
+
+        process = self._live_process(pending)
+        if process is None or not process.fits(pending.ids, pending.aux, pending.final):
+            return False
+        try:
+            process.submit_packed(pending.segments, pending.ids, pending.aux, pending.final,
+                                  lambda errors: self._process_done(pending, errors))
+        except SpoolProcessError as exc:
+            self._process_gone(str(exc))
+            return False
+        return True
+
+    def _live_process(self, pending: _Pending) -> Any:
+        from engine.capture.spool_process import SpoolWriterProcess
+
+        if self._process_state == "not started":
+            per_token = (pending.ids.element_size() + pending.aux.shape[-1] * pending.aux.element_size()
+                         + pending.final.shape[-1] * pending.final.element_size())
+            process = SpoolWriterProcess(self.spool_dir, self.layers, slot_bytes=self.slot_tokens * per_token + 256,
+                                         on_failure=self._process_gone)
+            try:
+                process.start()
+            except Exception as exc:  # no room in /dev/shm, no spawn here...: this thread writes
+                self._process_gone(f"cannot start the capture writer process: {exc}")
+                return None
+            self._process, self._process_state = process, "running"
+        return self._process if self._process_state == "running" and self._process.alive else None
+
+    def _process_gone(self, reason: str) -> None:
+        if self._process_state != "failed":
+            self._process_state = "failed"
+            logger.error("eagle3-console capture hook: %s; the writer thread writes the segments from now on",
+                         reason)
+
+    def _process_done(self, pending: _Pending, errors: list[str | None]) -> None:
+        with self._idle:  # the reply thread; the writer thread may count a fallback batch at once
+            for (rid, start, _), error in zip(pending.segments, errors):
+                if error is None:
+                    self.written += 1
+                else:
+                    self.errors.append(f"{rid}@{start}: {error}")
+                    logger.error("eagle3-console capture hook: writing %s@%d failed: %s", rid, start, error)
+            self.batches_by_process += 1
+        self._done()
+
+    def _write_here(self, pending: _Pending) -> None:
+        offset = 0
+        for rid, start, n in pending.segments:
+            rows = slice(offset, offset + n)
+            offset += n
+            try:
+                write_segment(self.spool_dir, rid, start, pending.ids[rows], pending.aux[rows],
+                              pending.final[rows], self.layers)
                 with self._idle:
-                    self._outstanding -= 1
-                    self._idle.notify_all()
+                    self.written += 1
+            except Exception as exc:  # a full disk must not kill the server; the probe reports gaps
+                with self._idle:
+                    self.errors.append(f"{rid}@{start}: {exc}")
+                logger.error("eagle3-console capture hook: writing %s@%d failed: %s", rid, start, exc)
+
+    def _done(self) -> None:
+        with self._idle:
+            self._outstanding -= 1
+            self._idle.notify_all()
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until every queued segment is on disk; False on timeout."""
@@ -200,6 +307,11 @@ class CaptureHook:
         self.flush(timeout)
         self._queue.put(None)
         self._thread.join(timeout)
+        if self._process is not None:
+            self._process.close(timeout)
+            self._process = None
+            if self._process_state == "running":
+                self._process_state = "closed"
 
 
 def _layers_from(text: str) -> list[int]:
@@ -228,7 +340,13 @@ def make_capture_hook(config: dict[str, Any] | None = None) -> CaptureHook:
         raise CaptureConfigError(f"--forward-hooks config layers {config['layers']} differ from {ENV_LAYERS}={layers}")
     profile = detect_profile(installed_version() or config.get("sglang"))
     rank_functions = profile.rank_functions
+    try:
+        slot_tokens = int(os.environ.get(ENV_SLOT_TOKENS, DEFAULT_SLOT_TOKENS))
+    except ValueError:
+        raise CaptureConfigError(f"{ENV_SLOT_TOKENS}={os.environ[ENV_SLOT_TOKENS]!r} is not a whole number of "
+                                 "tokens") from None
     hook = CaptureHook(spool, layers, rank_fn=lambda: sglang_writer_rank(rank_functions),
-                       health_prefix=profile.health_check_prefix)
+                       health_prefix=profile.health_check_prefix, writer=os.environ.get(ENV_WRITER, "process"),
+                       slot_tokens=slot_tokens)
     atexit.register(hook.close)
     return hook
