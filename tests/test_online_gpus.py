@@ -68,6 +68,21 @@ def test_gpus_stage_shows_the_split_and_warns_when_online_training_would_share_s
     assert one.status.value == "pass" and one.evidence == "server every visible GPU · trainer every visible GPU"
 
 
+def test_a_window_left_by_another_rank_count_is_removed(tmp_path):
+    """Its bytes would sit on the disk in no rank's budget."""
+    from engine.train.window import drop_other_layouts
+
+    root = tmp_path / "window"
+    for name in ("rank0", "rank1", "rank2", "stream", "kept"):
+        (root / name).mkdir(parents=True)
+        (root / name / "r.safetensors").write_bytes(b"x" * 10)
+    drop_other_layouts(root, 2)
+    assert sorted(p.name for p in root.iterdir()) == ["rank0", "rank1"]
+    (root / "kept").mkdir()
+    drop_other_layouts(root, 1)
+    assert sorted(p.name for p in root.iterdir()) == ["kept"]
+
+
 # ---------------------------------------------------------------------------- two trainer ranks
 
 TRAIN = {"train.draft_vocab_size": 128, "train.max_len": 64, "train.batch_size": 1, "train.ttt_steps": 2,
