@@ -52,7 +52,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from engine.io import atomic
@@ -74,7 +73,6 @@ from engine.train.window import (
     Window,
     WindowClosed,
     drop_other_layouts,
-    files_bytes,
     last_capture_rate,
     rank_window_dir,
     record_bytes,
