@@ -1,8 +1,8 @@
 """This project's drafter trainer beside SpecForge's own, in one process, at the same shapes.
 
     python bench/specforge_training.py --specforge-src DIR [--lengths 2048 4096] [--iters 6]
-                                       [--attention flex|sdpa] [--loss fused-compiled] [--profile]
-                                       [--sides ours specforge] [--json PATH] [--cpu-smoke]
+                                       [--attention flex|sdpa] [--loss fused-compiled] [--profile [--top N]]
+                                       [--sides ours ours/plain-autocast specforge] [--json PATH] [--cpu-smoke]
 
 DIR is a SpecForge source checkout (sgl-project/SpecForge; measured at a6b6b02). Nothing of it is
 copied here: its modules are imported from DIR. Its side is its offline EAGLE-3 step as its trainer
@@ -174,7 +174,16 @@ def run_ours(cfg, t: int, ttt: int, attention: str, device: torch.device, iters:
     from bench.training import Variant, run_length
 
     variant = Variant(loss, prefetch=batches != "pageable", ahead=int(batches == "prefetched-ahead"))
-    r = run_length(cfg, t, ttt, iters, "sdpa" if attention == "sdpa" else "flex", variant, device, None, profile)
+    plain = batches == "plain-autocast"
+    previous = os.environ.get("EAGLE3_TRAIN_PLAIN_AUTOCAST")
+    os.environ["EAGLE3_TRAIN_PLAIN_AUTOCAST"] = "1" if plain else "0"
+    try:
+        r = run_length(cfg, t, ttt, iters, "sdpa" if attention == "sdpa" else "flex", variant, device, None, profile)
+    finally:
+        if previous is None:
+            del os.environ["EAGLE3_TRAIN_PLAIN_AUTOCAST"]
+        else:
+            os.environ["EAGLE3_TRAIN_PLAIN_AUTOCAST"] = previous
     r["side"] = "ours" if batches == "prefetched" else f"ours/{batches}"
     return r
 
@@ -196,16 +205,22 @@ def main() -> int:
     parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"], help="both sides")
     parser.add_argument("--loss", default="fused-compiled", choices=["fused", "fused-compiled", "checkpoint"],
                         help="this project's loss head (fused-compiled: the trainer's default on CUDA)")
-    parser.add_argument("--sides", nargs="+", default=["ours", "specforge"], choices=["ours", "ours/prefetched-ahead", "ours/pageable", "specforge"],
+    parser.add_argument("--sides", nargs="+", default=["ours", "specforge"],
+                        choices=["ours", "ours/prefetched-ahead", "ours/pageable", "ours/plain-autocast", "specforge"],
                         help="ours/pageable: this project's step copying a pageable batch inside the step (before "
-                             "session 10); ours/prefetched-ahead: BatchPrefetcher(ahead=1)")
+                             "session 10); ours/prefetched-ahead: BatchPrefetcher(ahead=1); ours/plain-autocast: "
+                             "EAGLE3_TRAIN_PLAIN_AUTOCAST=1, the mixed precision before engine.train.mixed")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--top", type=int, default=15, help="kernels listed per --profile table")
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
 
+    import bench.training
     from bench.training import SHAPES, SMOKE_SHAPES, matmul_tflops, print_kernels
     from engine.train.model import DraftConfig
+
+    bench.training.TOP_KERNELS = args.top
 
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its kernels on the CPU
@@ -230,7 +245,8 @@ def main() -> int:
         for side in args.sides:
             try:
                 if side.startswith("ours"):
-                    r = run_ours(cfg, t, args.ttt, attention, device, iters, args.profile and side == "ours", args.loss,
+                    profiled = args.profile and side in ("ours", "ours/plain-autocast")
+                    r = run_ours(cfg, t, args.ttt, attention, device, iters, profiled, args.loss,
                                  side.partition("/")[2] or "prefetched")
                 else:
                     r = run_specforge(sf, cfg, t, args.ttt, attention, device, iters, args.profile)
@@ -252,8 +268,12 @@ def main() -> int:
             if ours["peak_gib"] is not None:
                 line += f"  peak {ours['peak_gib'] - theirs['peak_gib']:+5.2f} GiB vs SpecForge"
             print(line, flush=True)
+    from engine.train import mixed
+
+    fallbacks = {"compiled_rmsnorm": mixed._BROKEN, "fp32_gemm": mixed._FP32_GEMM_BROKEN}
+    print(f"ours' fallbacks (empty: the fused paths ran): {fallbacks}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"matmul_tflops": peak, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"matmul_tflops": peak, "rows": rows, "fallbacks": fallbacks}, indent=1))
     return 0
 
 

@@ -167,7 +167,10 @@ def build(cfg: DraftConfig, t: int, steps: int, backend: str, variant: Variant, 
     return one_step, (batches.close if batches is not None else (lambda: None))
 
 
-def top_kernels(prof, device: torch.device, n: int = 15) -> list[dict]:
+TOP_KERNELS = 15  # rows of --profile tables (bench/specforge_training.py --top changes it)
+
+
+def top_kernels(prof, device: torch.device, n: int | None = None) -> list[dict]:
     """The n CUDA kernels with the most total time (on CPU: the ops with the most self time)."""
     from torch.autograd import DeviceType
 
@@ -185,7 +188,7 @@ def top_kernels(prof, device: torch.device, n: int = 15) -> list[dict]:
     rows.sort(key=lambda r: -r["ms"])
     for r in rows:
         r["share"] = r["ms"] / total
-    return rows[:n]
+    return rows[:n or TOP_KERNELS]
 
 
 def profile_step(one_step, device: torch.device) -> list[dict]:

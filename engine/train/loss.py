@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from engine.train.data import Batch, TeacherOut
+from engine.train.mixed import _FP32_GEMM_BROKEN, accumulate_fp32, step_weights
 from engine.train.model import Eagle3Drafter, shift_left
 
 STAT_FIELDS = ("loss_sum", "positions", "correct", "scored", "accept_sum", "entropy_sum")
@@ -148,22 +149,7 @@ def _disable_compile(exc: Exception) -> None:
           file=sys.stderr, flush=True)
 
 
-_FP32_GEMM_BROKEN: list[str] = []
-
-
-def _accumulate_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out += a @ b for bf16 a, b and an fp32 out. On CUDA one GEMM that accumulates into out in fp32
-    (cuBLAS with an fp32 C): the [vocab, hidden] bf16 product and the mixed-dtype add that read and
-    wrote it again (the step's largest elementwise kernel, once per chunk) are gone, and the product is
-    not rounded to bf16 before the add. Elsewhere, or where this torch lacks out_dtype, the product in
-    bf16 then an fp32 add (what autocast + autograd do)."""
-    if out.is_cuda and not _FP32_GEMM_BROKEN:
-        try:
-            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-            return
-        except (RuntimeError, TypeError, NotImplementedError) as exc:
-            _FP32_GEMM_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-    out.add_(a @ b)
+_accumulate_fp32 = accumulate_fp32  # the name tests/test_train_data_head_grad.py checks (with _FP32_GEMM_BROKEN)
 
 
 def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, want_grads: bool,
@@ -210,7 +196,7 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
             if g_head.dtype == cdtype:
                 g_head.addmm_(g_logits.T, z)
             else:  # bf16 operands, fp32 accumulation across chunks and steps
-                _accumulate_fp32(g_head, g_logits.T, z)
+                accumulate_fp32(g_head, g_logits.T, z)
             g_z = (g_logits @ w_c).to(acc)
             del g_logits
             g_norm += (g_z * y.to(acc)).sum(0).to(g_norm.dtype)
@@ -292,6 +278,10 @@ class TTTModel(nn.Module):
 
     def forward(self, batch: Batch, teacher: TeacherOut):
         """Returns (weighted loss, stats [steps, len(STAT_FIELDS)] detached)."""
+        with step_weights(self.drafter):  # each weight cast once, its gradient summed once (engine.train.mixed)
+            return self._forward(batch, teacher)
+
+    def _forward(self, batch: Batch, teacher: TeacherOut):
         d = self.drafter
         b, t = batch.input_ids.shape
         hidden = d.project(batch.aux.to(d.fc.weight.dtype) if not torch.is_autocast_enabled() else batch.aux)

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from engine.train.mixed import CastLinear, rms_norm
+
 
 @dataclass
 class DraftConfig:
@@ -72,10 +74,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -97,10 +96,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, h, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, h * d, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=False)
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_proj = CastLinear(2 * cfg.hidden_size, h * d, bias=False)
+        self.k_proj = CastLinear(2 * cfg.hidden_size, kv * d, bias=False)
+        self.v_proj = CastLinear(2 * cfg.hidden_size, kv * d, bias=False)
+        self.o_proj = CastLinear(h * d, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list, backend: str) -> torch.Tensor:
         from engine.train.attention import ttt_attention
@@ -120,9 +119,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = CastLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = CastLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = CastLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -150,10 +149,10 @@ class Eagle3Drafter(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc = CastLinear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = CastLinear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.d2t: torch.Tensor  # buffers (saved with the weights), declared for the type checker
         self.t2d: torch.Tensor
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))

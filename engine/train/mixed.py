@@ -1,0 +1,241 @@
+"""Mixed precision for the unrolled training step: bf16 compute over fp32 master weights, each weight cast
+once and its gradient summed once per step, however many TTT steps use it.
+
+Plain autocast casts each weight once per forward (its cast cache), but autograd then sums the seven
+TTT steps' gradients of that bf16 copy in bf16 (six weight-sized adds per weight, each rounded) before
+one cast to fp32; and an RMSNorm with an fp32 weight returns fp32, which each projection reading it
+casts back to bf16 (and its gradient back to fp32 in backward).
+
+  step_weights(model)  within it, each CastLinear of `model` computes with one bf16 copy of its weight
+                       (WeightCast, made at its first use); every use's backward adds its weight gradient
+                       into one fp32 buffer (on CUDA inside the GEMM: fp32 output, beta 1) and
+                       WeightCast.backward hands that buffer to the fp32 master: one AccumulateGrad (and
+                       one DDP hook) per weight and step, fp32 accumulation throughout.
+  rms_norm             fp32 statistics, output in the compute dtype, its own backward that saves only x
+                       and 1/rms (fused by torch.compile on CUDA, eager elsewhere or if compiling fails).
+
+EAGLE3_TRAIN_PLAIN_AUTOCAST=1 turns both off (the previous path: plain autocast, RMSNorm through autograd
+returning weight * x_hat in the promoted dtype), for A/B measurements (bench/specforge_training.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+import torch.nn.functional as F
+
+_BROKEN: list[str] = []  # why the compiled kernels are off (first failure), empty while they work
+
+
+def plain_autocast() -> bool:
+    """EAGLE3_TRAIN_PLAIN_AUTOCAST=1: the previous mixed precision (read at each use, so one process can A/B)."""
+    return os.environ.get("EAGLE3_TRAIN_PLAIN_AUTOCAST", "").strip() == "1"
+
+
+def compiled_or_eager(fn: Callable) -> Callable:
+    """fn compiled (dynamic shapes, at the first CUDA call) for CUDA tensors; fn itself on the CPU or once
+    compiling has failed (a machine without Triton or a C compiler must still train, at eager speed)."""
+    compiled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def run(*args):
+        if _BROKEN or not args[0].is_cuda:
+            return fn(*args)
+        try:
+            if not compiled:
+                compiled.append(torch.compile(fn, dynamic=True))
+            return compiled[0](*args)
+        except Exception as exc:  # torch.compile raises backend-specific types
+            _BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+            print(f"note: compiled RMSNorm unavailable ({_BROKEN[0]}); training continues eagerly",
+                  file=sys.stderr, flush=True)
+            return fn(*args)
+
+    return run
+
+
+# ------------------------------------------------------------------------------ fp32 accumulation
+
+_FP32_GEMM_BROKEN: list[str] = []
+
+
+def _note_gemm_failure(exc: Exception) -> None:
+    _FP32_GEMM_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+
+
+def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for bf16 a, b as a new fp32 tensor: on CUDA one GEMM with an fp32 output (the product is never
+    rounded to bf16); elsewhere, or where this torch lacks out_dtype, the bf16 product cast up."""
+    if a.is_cuda and not _FP32_GEMM_BROKEN and a.dtype != torch.float32:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            _note_gemm_failure(exc)
+    return (a @ b).float()
+
+
+def accumulate_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b for bf16 a, b and an fp32 out. On CUDA one GEMM that accumulates into out in fp32 (cuBLAS
+    with an fp32 C, beta 1): no bf16 product written and read again by a separate add. Elsewhere, or where
+    this torch lacks out_dtype, the product in bf16 then an fp32 add (what autocast + autograd do)."""
+    if out.is_cuda and not _FP32_GEMM_BROKEN and a.dtype != out.dtype:
+        try:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            return
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            _note_gemm_failure(exc)
+    out.add_(a @ b)
+
+
+# ------------------------------------------------------------------------------ weights cast once
+
+
+class _GradSlot:
+    """The fp32 weight gradient of one step, filled by every use's backward (holds no graph: no cycle)."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if self.grad is None:
+            self.grad = matmul_fp32(a, b)
+        else:
+            accumulate_fp32(self.grad, a, b)
+
+
+class _WeightCast(torch.autograd.Function):
+    """master (fp32) -> its copy in the compute dtype; backward returns the slot's fp32 sum once. Autograd
+    runs it after every use of the copy (they all depend on it), so the slot is complete by then."""
+
+    @staticmethod
+    def forward(ctx, master: torch.Tensor, dtype: torch.dtype, slot: _GradSlot):
+        ctx.set_materialize_grads(False)  # the uses return no gradient for the copy: no zeros made
+        ctx.slot, ctx.master_dtype = slot, master.dtype
+        return master.to(dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        total, ctx.slot.grad = ctx.slot.grad, None  # handed over: AccumulateGrad can adopt it without a copy
+        if grad is not None:  # the copy was also used by plain autograd ops
+            total = grad.to(ctx.master_dtype) if total is None else total.add_(grad)
+        return total, None, None
+
+
+class _LinearAccum(torch.autograd.Function):
+    """y = x @ w.T with w a WeightCast copy; backward adds x's share of dL/dw into the slot."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, slot: _GradSlot):
+        ctx.x_dtype = x.dtype
+        x = x.to(weight.dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.slot = slot
+        return F.linear(x, weight)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_y = grad_y.to(weight.dtype)
+        grad_x = (grad_y @ weight).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        ctx.slot.add(grad_y.reshape(-1, grad_y.shape[-1]).T, x.reshape(-1, x.shape[-1]))
+        return grad_x, None, None
+
+
+class CastLinear(nn.Linear):
+    """nn.Linear (no bias) whose weight is cast once per step inside step_weights(); a plain Linear outside."""
+
+    _cast_dtype: torch.dtype | None = None
+    _cast: tuple[torch.Tensor, _GradSlot] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cast_dtype is None or self.bias is not None:
+            return super().forward(x)
+        if self._cast is None:
+            slot = _GradSlot()
+            self._cast = (_WeightCast.apply(self.weight, self._cast_dtype, slot), slot)
+        weight, slot = self._cast
+        return _LinearAccum.apply(x, weight, slot)
+
+
+@contextlib.contextmanager
+def step_weights(model: nn.Module) -> Iterator[None]:
+    """One forward of a training step: the CastLinears of `model` with trainable fp32 weights cast them to
+    the autocast dtype once, at first use. Nothing changes without autocast or without grad (evaluation)."""
+    params = next(model.parameters(), None)
+    device = params.device.type if params is not None else "cpu"
+    if plain_autocast() or not (torch.is_grad_enabled() and torch.is_autocast_enabled(device)):
+        yield
+        return
+    dtype = torch.get_autocast_dtype(device)
+    linears = [m for m in model.modules() if isinstance(m, CastLinear) and m.weight.requires_grad
+               and m.weight.dtype != dtype and m.weight.dtype.is_floating_point]
+    for m in linears:
+        m._cast_dtype, m._cast = dtype, None
+    try:
+        yield
+    finally:
+        for m in linears:  # the graph keeps what backward needs; the modules keep nothing
+            m._cast_dtype, m._cast = None, None
+
+
+# ------------------------------------------------------------------------------ RMSNorm
+
+
+def _rms_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype):
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x32 = x.to(acc)
+    inv = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * inv * weight.to(acc)).to(out_dtype), inv
+
+
+def _rms_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, inv: torch.Tensor):
+    acc = inv.dtype
+    x_hat = x.to(acc) * inv
+    g = grad_y.to(acc)
+    grad_w = (g * x_hat).reshape(-1, x_hat.shape[-1]).sum(0)
+    g_hat = g * weight.to(acc)
+    grad_x = inv * (g_hat - x_hat * (g_hat * x_hat).mean(-1, keepdim=True))
+    return grad_x.to(x.dtype), grad_w.to(weight.dtype)
+
+
+_rms_forward_kernel = compiled_or_eager(_rms_forward)
+_rms_backward_kernel = compiled_or_eager(_rms_backward)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype):
+        y, inv = _rms_forward_kernel(x, weight, eps, out_dtype)
+        ctx.save_for_backward(x, weight, inv)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        x, weight, inv = ctx.saved_tensors
+        grad_x, grad_w = _rms_backward_kernel(grad_y, x, weight, inv)
+        return grad_x, grad_w, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), statistics in fp32 at least. Under autocast the result is in the autocast dtype
+    (what the projections after it compute in); otherwise in the promoted dtype of x and weight."""
+    if plain_autocast():
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if torch.is_autocast_enabled(x.device.type):
+        out_dtype = torch.get_autocast_dtype(x.device.type)
+    else:
+        out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    return _RMSNorm.apply(x, weight, eps, out_dtype)
