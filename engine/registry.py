@@ -103,12 +103,13 @@ def _child_env(workspace) -> dict[str, str]:
 
 
 def start_train(workspace, jobs):
-    from engine.train.launch import build_train_argv
+    from engine.train.launch import build_train_argv, train_env
 
     active = jobs.active("train")
     if active:
         return active[0]
-    return jobs.start("train", build_train_argv(workspace), env=_child_env(workspace), cwd=workspace.root)
+    env = {**_child_env(workspace), **train_env(workspace)}  # train.gpus: the trainer's own GPUs
+    return jobs.start("train", build_train_argv(workspace), env=env, cwd=workspace.root)
 
 
 def start_evaluate(workspace, jobs):

@@ -39,6 +39,20 @@ def test_gpu_sets_reach_the_server_and_the_training_job(tiny_chat_model_dir, tmp
         ws.save_config(set_value(ws.config, key, value))
         ws.reload()
     assert train_env(ws) == {"CUDA_VISIBLE_DEVICES": "3,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    from engine.jobs.manager import JobManager
+    from engine.registry import start_train
+
+    jobs, handed = JobManager(ws.jobs_dir), {}
+    real_start = jobs.start
+
+    def recording_start(kind, argv, env=None, cwd=None):  # the real start, its env noted on the way
+        handed.update(env or {})
+        return real_start(kind, argv, env=env, cwd=cwd)
+
+    jobs.start = recording_start  # type: ignore[method-assign]
+    job = start_train(ws, jobs)  # the train stage's starter, as the console and `run train` call it
+    asyncio.run(jobs.stop(job.id, grace=5))
+    assert handed["CUDA_VISIBLE_DEVICES"] == "3,1" and "NCCL_NVLS_ENABLE" in handed
     assert "--nproc-per-node" in build_train_argv(ws, resume=False)
     assert build_local_spec(ws, capture=False).env["CUDA_VISIBLE_DEVICES"] == "2"
     config = set_value(ws.config, "model.backend", "sglang")
@@ -134,13 +148,11 @@ class Sampler:
 
 
 def start_training(ws, jobs):
-    """The training job as the train stage starts it: torchrun's argv, the NCCL env and train_env."""
-    from engine.system import nccl
-    from engine.train.launch import build_train_argv, train_env
+    """The training job as the train stage starts it (engine.registry.start_train: torchrun's argv, the
+    NCCL env and train_env)."""
+    from engine.registry import start_train
 
-    cfg = ws.config
-    env = {**nccl.build_child_env(cfg.gpu.nccl_preset, disable_nvls=cfg.gpu.disable_nvls), **train_env(ws)}
-    return jobs.start("train", build_train_argv(ws), env=env, cwd=ws.root)
+    return start_train(ws, jobs)
 
 
 def follow(jobs, job_id: str, sink: list[dict], until=None, timeout: float = 120.0):

@@ -92,7 +92,7 @@ def _window_budget(ctx: CheckContext) -> CheckResult:
     reserve = int(cfg.extract.disk_reserve_gb * GIB)
     usage = usage_for("hidden", str(window_dir(ctx.workspace)), reserve)
     summary = (f"train.mode = {cfg.train.mode}: captured states on disk never exceed the window, "
-               f"{fmt_bytes(window)} (train.window_gb = {cfg.train.window_gb:g}, plus one batch if a batch is "
+               f"{fmt_bytes(window)} (train.window_gb = {cfg.train.window_gb:g}, plus one batch per trainer rank if a batch is "
                f"larger; {fmt_bytes(there)} of it there now); an offline extraction would need {fmt_bytes(offline)} "
                f"({tokens:,} tokens × {fmt_bytes(per_token)}, {source}); the spool also holds the "
                f"{cfg.extract.concurrency} capture(s) in flight; free {fmt_bytes(usage.free)}, reserve "
