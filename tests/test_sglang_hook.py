@@ -61,7 +61,7 @@ def run_batch(module, batch: Batch, chunks, aux_as_list: bool = False):
     module(ids, final, None, batch, aux_arg)
 
 
-@pytest.fixture(params=["process", "thread"])
+@pytest.fixture(params=["process", "threads"])
 def hooked(tmp_path, request):
     hook = CaptureHook(str(tmp_path / "spool"), LAYERS, rank_fn=lambda: 0, writer=request.param)
     module = LogitsProcessor()
@@ -162,7 +162,7 @@ def test_writer_process_death_and_oversized_batches_fall_back_to_the_thread(tmp_
     run_batch(module, Batch(ForwardMode.EXTEND, ["xc"], [5], [0]), [c])
     assert hook.flush(30)
     hook.close()
-    assert hook.writer_state == "thread" and hook.errors == [] and hook.written == 3
+    assert hook.writer_state == "threads" and hook.errors == [] and hook.written == 3
     for rid, (ids, aux, final) in {"xa": a, "xb": b, "xc": c}.items():
         cap = assemble(spool, rid, expected_len=len(ids), expected_input_ids=ids.tolist())
         assert torch.equal(cap.aux_hidden_state, aux) and torch.equal(cap.hidden_state, final)

@@ -24,7 +24,7 @@ to a writer *process* (engine.capture.spool_process, the local server's design):
 the GIL with SGLang's scheduler, and a writer thread's system calls would take it from the thread that
 launches the model. One copy into shared memory and one pipe message per batch; the child writes the
 segments. Until the child is up (it starts on the first captured batch), when a batch is larger than
-its slot, or if it dies, the thread writes the segments itself (`EAGLE3_CAPTURE_WRITER=thread` always).
+its slot, or if it dies, the thread writes the segments itself (`EAGLE3_CAPTURE_WRITER=threads` always, as for the local server).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ logger = logging.getLogger("eagle3_console.capture_hook")
 
 ENV_SPOOL = "EAGLE3_CAPTURE_SPOOL"
 ENV_LAYERS = "EAGLE3_CAPTURE_LAYERS"
-ENV_WRITER = "EAGLE3_CAPTURE_WRITER"  # "process" (default) or "thread"
+ENV_WRITER = "EAGLE3_CAPTURE_WRITER"  # "process" (default) or "threads", as for the local server
 ENV_SLOT_TOKENS = "EAGLE3_CAPTURE_SLOT_TOKENS"  # tokens one shared-memory slot holds (an extend batch's)
 DEFAULT_SLOT_TOKENS = 8192  # SGLang's chunked prefill size on most GPUs: a whole extend batch fits
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
@@ -126,8 +126,8 @@ class CaptureHook:
     def __init__(self, spool_dir: str, layers: list[int], rank_fn: Callable[[], int],
                  health_prefix: str = HEALTH_CHECK_PREFIX, writer: str = "process",
                  slot_tokens: int = DEFAULT_SLOT_TOKENS) -> None:
-        if writer not in ("process", "thread"):
-            raise CaptureConfigError(f"{ENV_WRITER}={writer!r}: use \"process\" or \"thread\"")
+        if writer not in ("process", "threads"):
+            raise CaptureConfigError(f"{ENV_WRITER}={writer!r}: use \"process\" (the default) or \"threads\"")
         self.spool_dir = spool_dir
         self.layers = list(layers)
         self.health_prefix = health_prefix
@@ -143,17 +143,17 @@ class CaptureHook:
         self.errors: list[str] = []
         self._warned: set[str] = set()
         self._process: Any = None  # SpoolWriterProcess once started
-        self._process_state = "off" if writer == "thread" else "not started"
+        self._process_state = "off" if writer == "threads" else "not started"
         self._thread = threading.Thread(target=self._writer, name="eagle3-capture-writer", daemon=True)
         self._thread.start()
 
     @property
     def writer_state(self) -> str:
-        """Who writes the segments: "process" (the writer process runs), "thread" (by choice, or since
+        """Who writes the segments: "process" (the writer process runs), "threads" (by choice, or since
         the process failed to start or died: see the server log), or "not started" (no batch yet)."""
         if self._process_state == "running":
             return "process"
-        return "not started" if self._process_state == "not started" else "thread"
+        return "not started" if self._process_state == "not started" else "threads"
 
     @property
     def writer_pid(self) -> int | None:
