@@ -153,6 +153,54 @@ def test_outside_a_training_forward_the_linears_are_plain(monkeypatch):
     assert all(m._cast is None and m._cast_dtype is None for m in model.modules() if isinstance(m, mixed.CastLinear))
 
 
+def test_compiled_kernels_trace_to_the_eager_result(monkeypatch):
+    """The CUDA path compiles the norm's two kernels and the RoPE; here dynamo traces them (aot_eager: inductor's
+    CPU build takes longer than this file may) and must give the eager values and gradients."""
+    from engine.train import model as model_mod
+
+    calls = []
+    real_compile = torch.compile
+
+    def aot_eager(fn, **kwargs):
+        calls.append(fn.__name__)
+        return real_compile(fn, dynamic=True, backend="aot_eager")
+
+    monkeypatch.setattr(mixed, "_BROKEN", [])
+    monkeypatch.setattr(mixed, "COMPILE_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(torch, "compile", aot_eager)
+    monkeypatch.setattr(mixed, "_rms_forward_kernel", mixed.compiled_or_eager(mixed._rms_forward))
+    monkeypatch.setattr(mixed, "_rms_backward_kernel", mixed.compiled_or_eager(mixed._rms_backward))
+    monkeypatch.setattr(model_mod, "rope_qk", mixed.compiled_or_eager(model_mod._rope_qk))
+    model = tiny_drafter()
+    got_loss, got = step(model, True, False, monkeypatch)
+    assert sorted(set(calls)) == ["_rms_backward", "_rms_forward", "_rope_qk"] and not mixed._BROKEN
+    monkeypatch.setattr(mixed, "COMPILE_DEVICES", ())
+    ref_loss, ref = step(model, True, False, monkeypatch)
+    assert got_loss == pytest.approx(ref_loss, rel=1e-6)
+    for name, g in ref.items():
+        assert torch.allclose(got[name], g, rtol=1e-3, atol=1e-3 * float(g.abs().max())), name
+
+
+def test_a_broken_compiler_falls_back_to_eager_kernels(monkeypatch, capsys):
+    """Where torch.compile cannot build kernels (simulated: the compiled function raises, as inductor does
+    without a C compiler) the step still runs, eagerly, with the same result, and says so once."""
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no working C compiler (simulated)")
+        return call
+
+    model = tiny_drafter()
+    ref_loss, ref = step(model, True, False, monkeypatch)
+    monkeypatch.setattr(mixed, "COMPILE_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(mixed, "_BROKEN", [])
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(mixed, "_rms_forward_kernel", mixed.compiled_or_eager(mixed._rms_forward))
+    got_loss, got = step(model, True, False, monkeypatch)
+    assert mixed._BROKEN and "simulated" in mixed._BROKEN[0]
+    assert capsys.readouterr().err.count("training continues eagerly") == 1
+    assert got_loss == ref_loss and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_weight_gradients_accumulate_in_one_fp32_gemm_per_use():
     torch.manual_seed(0)

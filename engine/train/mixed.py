@@ -14,8 +14,9 @@ casts back to bf16 (and its gradient back to fp32 in backward).
   rms_norm             fp32 statistics, output in the compute dtype, its own backward that saves only x
                        and 1/rms (fused by torch.compile on CUDA, eager elsewhere or if compiling fails).
 
-EAGLE3_TRAIN_PLAIN_AUTOCAST=1 turns both off (the previous path: plain autocast, RMSNorm through autograd
-returning weight * x_hat in the promoted dtype), for A/B measurements (bench/specforge_training.py).
+EAGLE3_TRAIN_PLAIN_AUTOCAST=1 turns these off, and the compiled RoPE of engine.train.model (the previous path:
+plain autocast, RMSNorm through autograd returning weight * x_hat in the promoted dtype, eager RoPE), for A/B
+measurements (bench/specforge_training.py --sides ours/plain-autocast).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 
 _BROKEN: list[str] = []  # why the compiled kernels are off (first failure), empty while they work
+COMPILE_DEVICES = ("cuda",)  # on the CPU compiling costs more than it saves (tests widen this)
 
 
 def plain_autocast() -> bool:
@@ -41,12 +43,13 @@ def plain_autocast() -> bool:
 
 def compiled_or_eager(fn: Callable) -> Callable:
     """fn compiled (dynamic shapes, at the first CUDA call) for CUDA tensors; fn itself on the CPU or once
-    compiling has failed (a machine without Triton or a C compiler must still train, at eager speed)."""
+    compiling has failed (a machine without Triton or a C compiler must still train, at eager speed).
+    Under autograd the compiled fn has a compiled backward too (engine.train.model's RoPE)."""
     compiled: list[Callable] = []
 
     @functools.wraps(fn)
     def run(*args):
-        if _BROKEN or not args[0].is_cuda:
+        if _BROKEN or args[0].device.type not in COMPILE_DEVICES or plain_autocast():
             return fn(*args)
         try:
             if not compiled:
@@ -54,7 +57,7 @@ def compiled_or_eager(fn: Callable) -> Callable:
             return compiled[0](*args)
         except Exception as exc:  # torch.compile raises backend-specific types
             _BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-            print(f"note: compiled RMSNorm unavailable ({_BROKEN[0]}); training continues eagerly",
+            print(f"note: compiled {fn.__name__} unavailable ({_BROKEN[0]}); training continues eagerly",
                   file=sys.stderr, flush=True)
             return fn(*args)
 

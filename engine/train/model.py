@@ -18,7 +18,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from engine.train.mixed import CastLinear, rms_norm
+from engine.train.mixed import CastLinear, compiled_or_eager, rms_norm
 
 
 @dataclass
@@ -91,6 +91,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+# On CUDA one fused kernel each way for q and k (they are strided views of the projections: eager, each of
+# the rotation's five elementwise ops was its own non-vectorised kernel, forward and backward, per TTT step).
+rope_qk = compiled_or_eager(_rope_qk)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -110,7 +119,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)
         v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, d, self.cfg.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope_qk(q, k, cos, sin)
         cache.append((k, v))
         out = ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache], backend)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, h * d))
