@@ -47,7 +47,8 @@ def inputs(t: int = 24, seed: int = 1):
     return batch, teacher
 
 
-def step(model, autocast: bool, plain: bool, monkeypatch, log: TorchDispatchMode | None = None):
+def step(model, autocast: bool, plain: bool, monkeypatch, log: TorchDispatchMode | None = None,
+         compile_head: bool = False):
     """Loss and fp32 gradients of one TTT step (fused head, sdpa attention)."""
     monkeypatch.setenv("EAGLE3_TRAIN_PLAIN_AUTOCAST", "1" if plain else "0")
     model.zero_grad(set_to_none=True)
@@ -55,7 +56,7 @@ def step(model, autocast: bool, plain: bool, monkeypatch, log: TorchDispatchMode
     if not autocast:
         batch = Batch(batch.input_ids, batch.loss_mask, batch.aux.float(), batch.hidden.float(), batch.lengths)
         teacher = TeacherOut(teacher.probs.float(), teacher.target, teacher.keep)
-    ttt = TTTModel(model, TTT, "sdpa")
+    ttt = TTTModel(model, TTT, "sdpa", compile_head=compile_head)
     with log or contextlib.nullcontext():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss, _ = ttt(batch, teacher)
@@ -154,8 +155,10 @@ def test_outside_a_training_forward_the_linears_are_plain(monkeypatch):
 
 
 def test_compiled_kernels_trace_to_the_eager_result(monkeypatch):
-    """The CUDA path compiles the norm's two kernels and the RoPE; here dynamo traces them (aot_eager: inductor's
-    CPU build takes longer than this file may) and must give the eager values and gradients."""
+    """The CUDA path compiles the norm's two kernels, the RoPE and the head's norm kernels; here dynamo traces
+    them (aot_eager: inductor's CPU build takes longer than this file may) and must give the eager values and
+    gradients (the head's softmax pass stays eager here: test_train_fused traces it)."""
+    from engine.train import loss as loss_mod
     from engine.train import model as model_mod
 
     calls = []
@@ -171,9 +174,13 @@ def test_compiled_kernels_trace_to_the_eager_result(monkeypatch):
     monkeypatch.setattr(mixed, "_rms_forward_kernel", mixed.compiled_or_eager(mixed._rms_forward))
     monkeypatch.setattr(mixed, "_rms_backward_kernel", mixed.compiled_or_eager(mixed._rms_backward))
     monkeypatch.setattr(model_mod, "rope_qk", mixed.compiled_or_eager(model_mod._rope_qk))
+    monkeypatch.setattr(loss_mod, "_COMPILED_HEAD_NORM", (mixed.compiled_or_eager(loss_mod._head_norm_forward),
+                                                          mixed.compiled_or_eager(loss_mod._head_norm_backward)))
+    monkeypatch.setattr(loss_mod, "_compiled_chunk_pass", lambda: loss_mod._chunk_logits_pass)
     model = tiny_drafter()
-    got_loss, got = step(model, True, False, monkeypatch)
-    assert sorted(set(calls)) == ["_rms_backward", "_rms_forward", "_rope_qk"] and not mixed._BROKEN
+    got_loss, got = step(model, True, False, monkeypatch, compile_head=True)
+    assert sorted(set(calls)) == ["_head_norm_backward", "_head_norm_forward", "_rms_backward", "_rms_forward",
+                                  "_rope_qk"] and not mixed._BROKEN
     monkeypatch.setattr(mixed, "COMPILE_DEVICES", ())
     ref_loss, ref = step(model, True, False, monkeypatch)
     assert got_loss == pytest.approx(ref_loss, rel=1e-6)

@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from engine.train.data import Batch, TeacherOut
-from engine.train.mixed import _FP32_GEMM_BROKEN, accumulate_fp32, step_weights
+from engine.train.mixed import _FP32_GEMM_BROKEN, accumulate_fp32, compiled_or_eager, step_weights
 from engine.train.model import Eagle3Drafter, shift_left
 
 STAT_FIELDS = ("loss_sum", "positions", "correct", "scored", "accept_sum", "entropy_sum")
@@ -149,6 +149,27 @@ def _disable_compile(exc: Exception) -> None:
           file=sys.stderr, flush=True)
 
 
+def _head_norm_forward(x, norm_w, eps: float, cdtype: torch.dtype, acc: torch.dtype):
+    """Rows x of h -> (z = norm_w * y in the compute dtype, y = rmsnorm(x) in h's dtype, 1/rms in acc)."""
+    x32 = x.to(acc)
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    y = (x32 * r).to(x.dtype)
+    return (norm_w * y).to(cdtype), y, r
+
+
+def _head_norm_backward(g_z, x, y, r, norm_w):
+    """Gradient of z -> (gradient of the rows x in h's dtype, of norm_w in acc), autograd's roundings."""
+    acc = r.dtype
+    g_z = g_z.to(acc)
+    g_norm = (g_z * y.to(acc)).sum(0)
+    g_y = (g_z * norm_w).to(y.dtype).to(acc)  # autograd rounds the grad of y to y's dtype
+    y_hat = x.to(acc) * r
+    return (r * (g_y - y_hat * (g_y * y_hat).mean(-1, keepdim=True))).to(y.dtype), g_norm
+
+
+# compile_head on CUDA: each one kernel (or two) instead of about 7 and 12 passes over [rows, hidden] fp32 per chunk
+_COMPILED_HEAD_NORM = (compiled_or_eager(_head_norm_forward), compiled_or_eager(_head_norm_backward))
+
 _accumulate_fp32 = accumulate_fp32  # the name tests/test_train_data_head_grad.py checks (with _FP32_GEMM_BROKEN)
 
 
@@ -161,6 +182,7 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
     """
     acc = _acc_dtype(cdtype)
     chunk_pass = _compiled_chunk_pass() if compiled else _chunk_logits_pass
+    norm_forward, norm_backward = _COMPILED_HEAD_NORM if compiled else (_head_norm_forward, _head_norm_backward)
     w_c = head_w.to(cdtype)
     g_head = torch.zeros_like(head_w) if want_grads else None
     g_norm = torch.zeros_like(norm_w) if want_grads else None
@@ -183,10 +205,8 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
                 idx = keep[start:start + chunk_rows]
                 pick = (lambda t, idx=idx: t.index_select(0, idx))
             q, q_sum, w_rows = pick(step.probs), pick(step.q_sum), pick(step.pos_mask).to(acc)
-            x = pick(h).to(acc)
-            r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-            y = (x * r).to(h.dtype)
-            z = (norm_w * y).to(cdtype)
+            x = pick(h)
+            z, y, r = norm_forward(x, norm_w, eps, cdtype, acc)
             chunk_sums, g_logits = chunk_pass(z, w_c, q, q_sum, w_rows, w_rows * step_weight, pick(step.target),
                                               pick(step.acc_mask), acc, cdtype, want_grads)
             sums += torch.cat([chunk_sums, (pick(step.entropy) * w_rows).sum()[None]])
@@ -197,12 +217,10 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
                 g_head.addmm_(g_logits.T, z)
             else:  # bf16 operands, fp32 accumulation across chunks and steps
                 accumulate_fp32(g_head, g_logits.T, z)
-            g_z = (g_logits @ w_c).to(acc)
+            g_z = g_logits @ w_c
             del g_logits
-            g_norm += (g_z * y.to(acc)).sum(0).to(g_norm.dtype)
-            g_y = (g_z * norm_w).to(h.dtype).to(acc)  # autograd rounds the grad of y to y's dtype
-            y_hat = x * r
-            g_x = (r * (g_y - y_hat * (g_y * y_hat).mean(-1, keepdim=True))).to(h.dtype)
+            g_x, g_n = norm_backward(g_z, x, y, r, norm_w)
+            g_norm += g_n.to(g_norm.dtype)
             if dense:
                 g_h[rows] = g_x
             else:

@@ -14,9 +14,10 @@ casts back to bf16 (and its gradient back to fp32 in backward).
   rms_norm             fp32 statistics, output in the compute dtype, its own backward that saves only x
                        and 1/rms (fused by torch.compile on CUDA, eager elsewhere or if compiling fails).
 
-EAGLE3_TRAIN_PLAIN_AUTOCAST=1 turns these off, and the compiled RoPE of engine.train.model (the previous path:
-plain autocast, RMSNorm through autograd returning weight * x_hat in the promoted dtype, eager RoPE), for A/B
-measurements (bench/specforge_training.py --sides ours/plain-autocast).
+EAGLE3_TRAIN_PLAIN_AUTOCAST=1 turns these off, and every compiled_or_eager kernel (RoPE in engine.train.model,
+the fused head's norm in engine.train.loss): the previous path (plain autocast, RMSNorm through autograd returning
+weight * x_hat in the promoted dtype, eager kernels), for A/B measurements (bench/specforge_training.py --sides
+ours/plain-autocast).
 """
 
 from __future__ import annotations
