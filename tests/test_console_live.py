@@ -377,4 +377,4 @@ async def test_training_pane_shows_online_rates_and_window(ws):
         assert "online · epoch 1 step 3/20" in text, text
         assert "capture 900 vs trainer 4.2k tok/s (capture sets the pace)" in text, text
         assert "window 4.5 MiB of 4.8 MiB (peak 4.7 MiB)" in text, text
-        engine.jobs.stop(job.id, grace=1)
+        await engine.jobs.stop(job.id, grace=1)

@@ -1,4 +1,4 @@
-"""The head-weight gradient's fp32 accumulation (engine.train.loss._accumulate_fp32): out += a @ b for
+"""The head-weight gradient's fp32 accumulation (engine.train.mixed.accumulate_fp32): out += a @ b for
 bf16 operands into an fp32 buffer, across chunks and TTT steps."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.train import loss
+from engine.train import mixed
 
 
 def _operands(device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -20,7 +20,7 @@ def _operands(device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, t
 def test_cpu_path_is_the_bf16_product_added_in_fp32():
     out, a, b = _operands("cpu")
     expected = out + (a @ b).float()
-    loss._accumulate_fp32(out, a.T.contiguous().T, b)  # a transposed view, as g_logits.T is
+    mixed.accumulate_fp32(out, a.T.contiguous().T, b)  # a transposed view, as g_logits.T is
     assert out.dtype == torch.float32 and torch.equal(out, expected)
 
 
@@ -31,9 +31,9 @@ def test_cuda_accumulates_into_fp32_in_one_gemm_and_keeps_what_was_there():
     exact = start.double()
     for seed in (1, 2, 3):  # three chunks / steps into one buffer
         _, a, b = _operands("cuda", seed)
-        loss._accumulate_fp32(out, a.T.contiguous().T, b)
+        mixed.accumulate_fp32(out, a.T.contiguous().T, b)
         exact += a.double() @ b.double()
-    assert not loss._FP32_GEMM_BROKEN, loss._FP32_GEMM_BROKEN  # the one-GEMM path ran
+    assert not mixed.FP32_GEMM_BROKEN, mixed.FP32_GEMM_BROKEN  # the one-GEMM path ran
     err = (out.double() - exact).abs().max().item()
     assert err < 1e-3 * exact.abs().max().item(), err  # fp32 accumulation of exact bf16 products
     rounded = start.clone()

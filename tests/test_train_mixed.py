@@ -216,6 +216,6 @@ def test_cuda_weight_gradients_accumulate_in_one_fp32_gemm_per_use():
     with torch.autocast("cuda", dtype=torch.bfloat16), mixed.step_weights(lin):
         sum(lin(x[k]).float().sum() for k in range(TTT)).backward()
     exact = torch.ones(TTT * 96, 48, device="cuda", dtype=torch.float64).T @ x.reshape(-1, 64).double()
-    assert not mixed._FP32_GEMM_BROKEN, mixed._FP32_GEMM_BROKEN
+    assert not mixed.FP32_GEMM_BROKEN, mixed.FP32_GEMM_BROKEN
     assert lin.weight.grad.dtype == torch.float32
     assert float((lin.weight.grad.double() - exact).abs().max()) < 1e-4 * float(exact.abs().max())

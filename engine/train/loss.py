@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from engine.train.data import Batch, TeacherOut
-from engine.train.mixed import _FP32_GEMM_BROKEN, accumulate_fp32, compiled_or_eager, step_weights
+from engine.train.mixed import accumulate_fp32, compiled_or_eager, step_weights
 from engine.train.model import Eagle3Drafter, shift_left
 
 STAT_FIELDS = ("loss_sum", "positions", "correct", "scored", "accept_sum", "entropy_sum")
@@ -170,7 +170,6 @@ def _head_norm_backward(g_z, x, y, r, norm_w):
 # compile_head on CUDA: each one kernel (or two) instead of about 7 and 12 passes over [rows, hidden] fp32 per chunk
 _COMPILED_HEAD_NORM = (compiled_or_eager(_head_norm_forward), compiled_or_eager(_head_norm_backward))
 
-_accumulate_fp32 = accumulate_fp32  # the name tests/test_train_data_head_grad.py checks (with _FP32_GEMM_BROKEN)
 
 
 def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, want_grads: bool,

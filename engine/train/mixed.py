@@ -67,17 +67,17 @@ def compiled_or_eager(fn: Callable) -> Callable:
 
 # ------------------------------------------------------------------------------ fp32 accumulation
 
-_FP32_GEMM_BROKEN: list[str] = []
+FP32_GEMM_BROKEN: list[str] = []
 
 
 def _note_gemm_failure(exc: Exception) -> None:
-    _FP32_GEMM_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    FP32_GEMM_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for bf16 a, b as a new fp32 tensor: on CUDA one GEMM with an fp32 output (the product is never
     rounded to bf16); elsewhere, or where this torch lacks out_dtype, the bf16 product cast up."""
-    if a.is_cuda and not _FP32_GEMM_BROKEN and a.dtype != torch.float32:
+    if a.is_cuda and not FP32_GEMM_BROKEN and a.dtype != torch.float32:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
         except (RuntimeError, TypeError, NotImplementedError) as exc:
@@ -89,7 +89,7 @@ def accumulate_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None
     """out += a @ b for bf16 a, b and an fp32 out. On CUDA one GEMM that accumulates into out in fp32 (cuBLAS
     with an fp32 C, beta 1): no bf16 product written and read again by a separate add. Elsewhere, or where
     this torch lacks out_dtype, the product in bf16 then an fp32 add (what autocast + autograd do)."""
-    if out.is_cuda and not _FP32_GEMM_BROKEN and a.dtype != out.dtype:
+    if out.is_cuda and not FP32_GEMM_BROKEN and a.dtype != out.dtype:
         try:
             torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
             return
