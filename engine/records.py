@@ -186,7 +186,7 @@ def _bf16_finite(chunk: memoryview) -> bool:
 def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: bytes | memoryview,
                         loss_mask: bytes | memoryview,
                         aux_sources: list[Source], hidden_sources: list[Source], hidden_size: int,
-                        sync_dir: bool = True) -> RecordEntry:
+                        sync_dir: bool = True, durable: bool = True) -> RecordEntry:
     """Write a record from its parts and return its manifest entry (not yet appended).
 
     `input_ids` and `loss_mask` are little-endian int64 bytes; the states' sources hold bf16 rows,
@@ -194,6 +194,7 @@ def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: by
     hashed and written while it is in the cache: no tensors are built, nothing is read back. The
     file is fsynced and renamed into place; its directory is fsynced too unless `sync_dir` is False
     (a caller that commits several records under one directory fsync: `append_manifest_entries`).
+    `durable` False skips both fsyncs: for records that are thrown away, not trusted, after a crash.
     RecordError on a non-finite value or a size that does not match the header (nothing is left behind)."""
     tokens = len(input_ids) // 8
     if len(input_ids) != 8 * tokens or len(loss_mask) != len(input_ids):
@@ -222,7 +223,8 @@ def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: by
                     raise RecordError("non-finite values in the captured states")
                 digest.update(chunk)
                 size += write_all(fd, chunk)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
         os.fchmod(fd, 0o644)
         os.close(fd)
         fd = -1
@@ -235,7 +237,7 @@ def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: by
         except FileNotFoundError:
             pass
         raise
-    if sync_dir:
+    if sync_dir and durable:
         atomic.fsync_dir(path.parent)
     trainable = sum(memoryview(loss_mask).cast("q")) if tokens else 0
     return RecordEntry(sample_id, index, rel, tokens, int(trainable), size, digest.hexdigest())

@@ -319,7 +319,7 @@ class Extractor:
         self.event("resumed")
 
     # -- one sample
-    async def _request(self, client, sample: PlannedSample, attempt: int) -> str:
+    async def request(self, client, sample: PlannedSample, attempt: int) -> str:
         """Send the sample for capture; its rid once the server has captured it as asked."""
         from engine.capture.segments import release
         from engine.client import ServerReplyError, ServerUnreachableError
@@ -353,7 +353,7 @@ class Extractor:
         use the states in memory rather than as a record."""
         from engine.capture.segments import SegmentError, assemble, release
 
-        rid = await self._request(client, sample, attempt)
+        rid = await self.request(client, sample, attempt)
         try:
             return await asyncio.to_thread(assemble, self.spool, rid, len(sample.input_ids), sample.input_ids)
         except (SegmentError, OSError) as exc:
@@ -362,8 +362,14 @@ class Extractor:
             await asyncio.to_thread(release, self.spool, rid)
 
     def _write(self, sample: PlannedSample, rid: str, hidden: int) -> RecordEntry:
-        """Stream the capture of `rid` into the sample's record (durable, renamed into place, not yet
-        in the manifest), then release its spool. SampleFailed/RecordError: the capture is wrong."""
+        """The sample's record in this run (durable, not yet in the manifest: the group commit adds it)."""
+        return self.write_capture(sample, rid, hidden, self.run_dir, sample.index, sample.id, sync_dir=False)
+
+    def write_capture(self, sample: PlannedSample, rid: str, hidden: int, run_dir: Path, index: int,
+                      record_id: str, durable: bool = True, sync_dir: bool = True) -> RecordEntry:
+        """Stream the capture of `rid` into a record `record_id` under `run_dir` (renamed into place, not
+        yet in a manifest), then release its spool. `durable` False skips the fsyncs, for records nobody
+        trusts after a crash (online training's stream). SampleFailed/RecordError: the capture is wrong."""
         import torch
 
         from engine.capture.segments import SegmentError, open_capture, release
@@ -384,8 +390,8 @@ class Extractor:
                     aux = [tensor_bytes(capture.tensor("aux_hidden_state").to(torch.bfloat16))]
                     final = [tensor_bytes(capture.tensor("hidden_state").to(torch.bfloat16))]
                 mask = struct.pack(f"<{len(sample.loss_mask)}q", *sample.loss_mask)
-                return write_record_stream(self.run_dir, sample.index, sample.id, capture.input_ids, mask, aux,
-                                           final, hidden, sync_dir=False)
+                return write_record_stream(run_dir, index, record_id, capture.input_ids, mask, aux, final, hidden,
+                                           sync_dir=sync_dir, durable=durable)
         finally:
             release(self.spool, rid)
 
@@ -428,7 +434,7 @@ class Extractor:
                     i = min(range(len(clients)), key=lambda k: load[k])
                     load[i] += 1
                     try:
-                        rid = await self._request(clients[i][1], sample, attempt)
+                        rid = await self.request(clients[i][1], sample, attempt)
                     finally:
                         load[i] -= 1
                 # Written while another worker's request holds the slot: the server never waits

@@ -4,14 +4,16 @@
 batches per step), but its records do not come from an extraction run. A producer thread sends
 each sample of the steps ahead to the server through the extraction's own capture path
 (engine.extract.job.Extractor: request with a client-chosen rid, stitched spool segments, the same
-checks) and writes it with engine.records.write_record into the window directory,
-`<extract.output_dir>/window/<train.run>/`. The trainer reads each record when its batch is built and
+checks) and streams it into a record in the window directory, `<extract.output_dir>/window/<train.run>/`,
+as the extraction job does (Extractor.write_capture: chunk by chunk from the spool, finite-checked and
+hashed on the way, no tensors built). The write happens after the request has given its slot back, so the
+server keeps `extract.concurrency` requests per endpoint while records are written. The trainer reads each record when its batch is built and
 deletes it at once; the next epoch captures it again. The bytes in the window never exceed
 `train.window_gb` (engine.train.window): the producer waits when it is full, except that one batch
 always fits (a batch larger than the whole window trains alone).
 
 - `stream/`: records of the steps ahead, deleted once read; emptied at every start (a crashed run's
-  leftovers are captured again, never trusted).
+  leftovers are captured again, never trusted, so they are written without fsync).
 - `kept/`: records kept for good, a run directory of its own (manifest.jsonl with sha256): the held-out
   set (those of the held-out samples that fit in a quarter of the window: a run too big to store
   cannot keep a 5 % slice either) and, in hybrid mode, as many training samples as fit in what is
@@ -51,6 +53,7 @@ import shutil
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,12 +63,10 @@ from engine.errors import EngineError
 from engine.records import (
     RecordEntry,
     RecordError,
-    all_finite,
     append_manifest,
     load_record,
     read_manifest,
     read_run_meta,
-    write_record,
     write_run_meta,
 )
 from engine.train.data import RecordData, TrainDataError, is_eval
@@ -236,14 +237,21 @@ class OnlineData(RecordData):
 
     def _plan_keep_budget(self) -> None:
         """Hybrid: keep what the window holds beside the held-out set and room for the records in flight
-        (a batch, plus one capture per request in flight)."""
+        (a batch, plus one capture per producer worker)."""
         if self.mode != "hybrid":
             return
         largest = max(e.bytes for e in self.train_entries)
-        requests = self.cfg.extract.concurrency * (1 + len(self.cfg.extract.endpoints))  # as the workers
-        in_flight = (self.batch_size + requests) * largest
+        in_flight = (self.batch_size + self._workers()) * largest
         eval_bytes = sum(e.bytes for e in self.own_eval)
         self.keep_budget = max(0, self.window.budget - eval_bytes - in_flight)
+
+    def _requests(self) -> int:
+        """Requests in flight at once: `extract.concurrency` per endpoint, as the extraction job."""
+        return self.cfg.extract.concurrency * (1 + len(self.cfg.extract.endpoints))
+
+    def _workers(self) -> int:
+        # Twice the requests: while one worker writes its record, another's request holds the slot.
+        return 2 * self._requests()
 
     def start(self, batch_entries: Callable[[int], list[RecordEntry]], first_step: int, limit: int) -> None:
         """Start capturing the batches of steps first_step..limit-1 (as `batch_entries` gives them)."""
@@ -310,7 +318,9 @@ class OnlineData(RecordData):
         clients = [(url, ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=600))
                    for url in extractor.endpoints()]
         load = [0] * len(clients)
-        jobs: asyncio.Queue[_Job | None] = asyncio.Queue(maxsize=len(clients) * self.cfg.extract.concurrency)
+        slots = asyncio.Semaphore(self.cfg.extract.concurrency * len(clients))
+        writes = ThreadPoolExecutor(max_workers=self._workers(), thread_name_prefix="online-writer")
+        jobs: asyncio.Queue[_Job | None] = asyncio.Queue(maxsize=self.cfg.extract.concurrency * len(clients))
 
         async def worker() -> None:
             while True:
@@ -318,13 +328,13 @@ class OnlineData(RecordData):
                 if job is None or self.stopping:
                     return
                 try:
-                    await self._capture(extractor, clients, load, job)
+                    await self._capture(extractor, clients, load, slots, writes, job)
                 except Exception as exc:  # at once: the dispatcher and the waiting trainer stop on it
                     self._fail(str(exc) if isinstance(exc, EngineError) else
                                f"online capture stopped: {type(exc).__name__}: {exc}")
                     return
 
-        workers = [asyncio.create_task(worker()) for _ in range(jobs.maxsize)]
+        workers = [asyncio.create_task(worker()) for _ in range(self._workers())]
         try:
             for entry in self.own_eval:
                 if entry.id not in self.kept:
@@ -350,6 +360,7 @@ class OnlineData(RecordData):
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.to_thread(writes.shutdown, True)  # the writes under way end before the window closes
             for _, client in clients:
                 await client.aclose()
 
@@ -371,19 +382,27 @@ class OnlineData(RecordData):
                 await asyncio.sleep(0.02)
         return False
 
-    async def _capture(self, extractor, clients, load: list[int], job: _Job) -> None:
+    async def _capture(self, extractor, clients, load: list[int], slots: asyncio.Semaphore,
+                       writes: ThreadPoolExecutor, job: _Job) -> None:
         from engine.extract.job import Outage, SampleFailed
 
         retries = self.cfg.extract.max_retries
         attempt = 0
+        loop = asyncio.get_running_loop()
         while not self.stopping:
-            i = min(range(len(clients)), key=lambda k: load[k])
-            load[i] += 1
+            i = 0
             try:
-                # rid x<index>-<tag>-a<n>: n unique per capture of this session, so two captures of one
-                # sample (consecutive epochs) never share spool segments (max_retries <= 1000 < 10,000)
-                cap = await extractor.capture(clients[i][1], job.sample, job.seq * 10_000 + attempt, self.hidden_size)
-                await asyncio.to_thread(self._store, job, cap)
+                async with slots:  # extract.concurrency requests per endpoint, as the extraction job
+                    i = min(range(len(clients)), key=lambda k: load[k])
+                    load[i] += 1
+                    try:
+                        # rid x<index>-<tag>-a<n>: n unique per capture of this session, so two captures of one
+                        # sample (consecutive epochs) never share spool segments (max_retries <= 1000 < 10,000)
+                        rid = await extractor.request(clients[i][1], job.sample, job.seq * 10_000 + attempt)
+                    finally:
+                        load[i] -= 1
+                # Written after the slot is given back: the next request is at the server meanwhile.
+                await loop.run_in_executor(writes, self._store, extractor, job, rid)
                 return
             except Outage:
                 await extractor.wait_for_server(clients[i][0], primary=(i == 0 and self.rank == 0))
@@ -395,29 +414,15 @@ class OnlineData(RecordData):
                                       "check the `capture` stage (`eagle3-console check capture`), fix what it "
                                       "names, then start training again: it resumes from its checkpoint") from None
                 self._event("retry", id=job.sample.id, attempt=attempt, reason=str(exc))
-            finally:
-                load[i] -= 1
 
-    def _store(self, job: _Job, cap) -> None:
-        import torch
-
-        from engine.extract.job import SampleFailed
-
-        h = self.hidden_size
-        if cap.hidden_state.shape[1] != h or cap.aux_hidden_state.shape[1] != 3 * h:
-            raise SampleFailed(f"captured widths {cap.aux_hidden_state.shape[1]}/{cap.hidden_state.shape[1]}, "
-                               f"expected {3 * h}/{h}")
-        if not (all_finite(cap.aux_hidden_state) and all_finite(cap.hidden_state)):
-            raise SampleFailed("non-finite values in the captured states")
-        sample = job.sample
-        ids, mask = torch.tensor(sample.input_ids), torch.tensor(sample.loss_mask)
+    def _store(self, extractor, job: _Job, rid: str) -> None:
+        """Stream the capture into its record: kept/ durably with a manifest line, stream/ without fsync."""
+        sample, h = job.sample, self.hidden_size
         if job.keep:
-            entry = write_record(self.kept_dir, sample.index, sample.id, ids, mask, cap.aux_hidden_state,
-                                 cap.hidden_state)
+            entry = extractor.write_capture(sample, rid, h, self.kept_dir, sample.index, sample.id)
             append_manifest(self.kept_dir, entry)
         else:
-            entry = write_record(self.stream_dir, job.seq, f"s{job.seq}", ids, mask, cap.aux_hidden_state,
-                                 cap.hidden_state)
+            entry = extractor.write_capture(sample, rid, h, self.stream_dir, job.seq, f"s{job.seq}", durable=False)
         if entry.bytes > job.nbytes:  # record_bytes is an upper bound: a bug if not
             raise OnlineError(f"record of {sample.id} is {entry.bytes} bytes, {job.nbytes} were reserved; "
                               "report a bug")
