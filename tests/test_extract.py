@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.processes import lock_held_by_another_process
+from tests.helpers.slots import RequestSlots
 from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.checks.context import CheckContext
 from engine.config import set_value
@@ -108,40 +109,14 @@ def test_the_server_keeps_its_requests_while_records_are_written(server_ws, monk
     """Record writes are off the request path: while a record is being written (slowed down here),
     the server still has all `extract.concurrency` requests, and never more. Each worker used to
     write its record before it sent the next request, leaving the server a slot short per write."""
-    import threading
-
-    from engine.client import ServerClient
-
     ws = server_ws
     concurrency = ws.config.extract.concurrency
-    seen = {"in_flight": 0, "most": 0, "full_during_write": 0}
-    lock = threading.Lock()
-    real_generate, real_write = ServerClient.generate, Extractor._write
-
-    async def counted_generate(self, *args, **kwargs):
-        seen["in_flight"] += 1
-        seen["most"] = max(seen["most"], seen["in_flight"])
-        try:
-            return await real_generate(self, *args, **kwargs)
-        finally:
-            seen["in_flight"] -= 1
-
-    def slow_write(self, *args):
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:  # a slow disk: is the server's every slot taken meanwhile?
-            if seen["in_flight"] == concurrency:
-                with lock:
-                    seen["full_during_write"] += 1
-                break
-            time.sleep(0.005)
-        return real_write(self, *args)
-
-    monkeypatch.setattr(ServerClient, "generate", counted_generate)
-    monkeypatch.setattr(Extractor, "_write", slow_write)
+    slots = RequestSlots(monkeypatch, concurrency)
+    monkeypatch.setattr(Extractor, "_write", slots.slow(Extractor._write))
     assert asyncio.run(Extractor(ws).run()) == 0
-    assert seen["most"] == concurrency, seen
+    assert slots.most == concurrency, slots
     # Never, had the writing worker's slot stayed empty; the last writes find no sample left to send.
-    assert seen["full_during_write"] >= 2, seen
+    assert slots.full_during_write >= 2, slots
     _assert_exactly_once(ws)
 
 

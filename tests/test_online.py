@@ -25,22 +25,10 @@ import pytest
 from engine.checks.base import StageReport, StageState, failed, passed
 from engine.config import ConfigError, parse_config, set_value
 from engine.registry import prerequisites, red_prerequisites, server_users
-from engine.train.window import Window, files_bytes, record_bytes, window_dir
+from engine.train.window import Window, record_bytes, window_dir
+from tests.helpers.slots import RequestSlots
+from tests.helpers.window import WindowSampler, past_a_checkpoint, window_bytes
 from tests.helpers.workspaces import make_workspace, write_conversations
-
-META = {"spool_sessions.txt", "manifest.jsonl", "run.json"}  # the window's small bookkeeping files
-
-
-def window_bytes(root: Path) -> int:
-    """Bytes of captured records (and their temp files) under the window now."""
-    total = 0
-    for path in root.rglob("*"):
-        try:
-            if path.is_file() and path.name not in META:
-                total += path.stat().st_size
-        except OSError:
-            continue
-    return total
 
 
 # ---------------------------------------------------------------------------- settings and checklist
@@ -111,30 +99,6 @@ def small_disk(path: Path, size: str):
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-class Sampler:
-    """Samples the window's bytes every few milliseconds on a thread; `peak` is the largest seen."""
-
-    def __init__(self, root: Path):
-        self.root, self.peak, self.samples = root, 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.root.exists():
-                self.peak = max(self.peak, window_bytes(self.root))
-                self.samples += 1
-            time.sleep(0.005)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def run_job(ws, jobs, sink: list[dict], until=None, timeout: float = 300.0):
     """Start the train stage's job (as the console does) and collect its events until it ends, or until
     `until(events)` is true (then it is left running and returned)."""
@@ -189,13 +153,8 @@ def test_online_training_killed_resumes_and_retrains_only_what_followed_the_chec
     root = window_dir(ws)
     jobs = JobManager(ws.jobs_dir)
 
-    def past_a_checkpoint(events: list[dict]) -> bool:
-        saved = [e["step"] for e in events if e.get("type") == "checkpoint"]
-        done = [e["done"] for e in events if e.get("type") == "progress"]
-        return bool(saved and done and done[-1] >= saved[-1] + 2)
-
     first: list[dict] = []
-    with Sampler(root) as sampler:
+    with WindowSampler(root) as sampler:
         info = run_job(ws, jobs, first, until=past_a_checkpoint)
         assert info.active, f"the run ended before a checkpoint and two more steps: {first[-5:]}"
         killed_after = [e["done"] for e in first if e.get("type") == "progress"][-1]
@@ -266,7 +225,7 @@ def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online
     budget, root = window_budget(ws.config), window_dir(ws)
     jobs = JobManager(ws.jobs_dir)
     first: list[dict] = []
-    with Sampler(root) as sampler:
+    with WindowSampler(root) as sampler:
         info = run_job(ws, jobs, first, until=lambda ev: any(e.get("type") == "checkpoint" for e in ev))
         stopped = jobs.stop_sync(info.id, grace=60)  # SIGTERM: checkpoint at the next step, then exit
         assert stopped.state == "stopped" and stopped.exit_code == 0, jobs.tail(info.id, 20)
@@ -303,7 +262,7 @@ def test_online_training_rides_out_a_server_killed_mid_epoch(online_ws):
     server = manager.job()
     assert server is not None and server.pid
     events: list[dict] = []
-    with Sampler(root) as sampler:
+    with WindowSampler(root) as sampler:
         info = run_job(ws, jobs, events, until=lambda ev: any(e.get("type") == "progress" and e["done"] >= 3
                                                                for e in ev))
         os.kill(server.pid, signal.SIGKILL)
@@ -322,7 +281,6 @@ def test_the_server_keeps_its_requests_while_online_records_are_written(online_w
     job does: while a record is being written (slowed down here) the server still has all
     `extract.concurrency` requests, and never more. It used to write inside the slot, which cost online
     training ~40 % of the capture rate on the H200 (RESULTS, run 12)."""
-    from engine.client import ServerClient
     from engine.extract.job import Extractor
     from engine.model.target import workspace_plan
     from engine.train.online import OnlineData
@@ -331,32 +289,8 @@ def test_the_server_keeps_its_requests_while_online_records_are_written(online_w
     ws.save_config(set_value(ws.config, "train.window_gb", 0.05))  # room for every record: no window waits
     ws.reload()
     concurrency = ws.config.extract.concurrency
-    seen = {"in_flight": 0, "most": 0, "full_during_write": 0, "writes": 0}
-    lock = threading.Lock()
-    real_generate, real_write = ServerClient.generate, Extractor.write_capture
-
-    async def counted_generate(self, *args, **kwargs):
-        seen["in_flight"] += 1
-        seen["most"] = max(seen["most"], seen["in_flight"])
-        try:
-            return await real_generate(self, *args, **kwargs)
-        finally:
-            seen["in_flight"] -= 1
-
-    def slow_write(self, *args, **kwargs):
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:  # a slow disk: is every slot at the server meanwhile?
-            if seen["in_flight"] == concurrency:
-                with lock:
-                    seen["full_during_write"] += 1
-                break
-            time.sleep(0.005)
-        with lock:
-            seen["writes"] += 1
-        return real_write(self, *args, **kwargs)
-
-    monkeypatch.setattr(ServerClient, "generate", counted_generate)
-    monkeypatch.setattr(Extractor, "write_capture", slow_write)
+    slots = RequestSlots(monkeypatch, concurrency)
+    monkeypatch.setattr(Extractor, "write_capture", slots.slow(Extractor.write_capture))
     data = OnlineData(ws, workspace_plan(ws), max_len=64, eval_fraction=0.0, batch_size=2)
     steps = 6
     order = data.train_entries
@@ -369,10 +303,10 @@ def test_the_server_keeps_its_requests_while_online_records_are_written(online_w
                 assert record["hidden_state"].shape[0] == entry.tokens
     finally:
         data.close()
-    assert seen["writes"] == 2 * steps, seen
-    assert seen["most"] == concurrency, seen
+    assert slots.writes == 2 * steps, slots
+    assert slots.most == concurrency, slots
     # Never, had a writing worker kept its slot; the last writes find nothing left to send.
-    assert seen["full_during_write"] >= 2, seen
+    assert slots.full_during_write >= 2, slots
     assert not (window_dir(ws) / "stream").exists()  # emptied by close()
 
 

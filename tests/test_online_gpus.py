@@ -12,20 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import threading
 import time
-from collections import defaultdict
-from pathlib import Path
 
 import psutil
 import pytest
 
 from engine.config import ConfigError, parse_config, set_value
+from tests.helpers.window import WindowSampler, past_a_checkpoint
 from tests.helpers.workspaces import make_workspace, write_conversations
-
-META = {"spool_sessions.txt", "manifest.jsonl", "run.json"}  # the window's small bookkeeping files
 
 
 def test_gpu_sets_reach_the_server_and_the_training_job(tiny_chat_model_dir, tmp_path):
@@ -105,48 +100,6 @@ TRAIN = {"train.draft_vocab_size": 128, "train.max_len": 64, "train.batch_size":
          "train.num_gpus": 2}
 
 
-def window_bytes(root: Path) -> int:
-    """Bytes of captured records (and their temp files) under `root` now; os.walk skips what vanishes."""
-    total = 0
-    for folder, _, names in os.walk(root):
-        for name in names:
-            if name not in META:
-                try:
-                    total += os.stat(os.path.join(folder, name)).st_size
-                except OSError:
-                    continue  # deleted while we looked
-    return total
-
-
-class Sampler:
-    """The window's bytes, in all and per rank directory, every few milliseconds on a thread."""
-
-    def __init__(self, root: Path):
-        self.root, self.peak, self.samples = root, 0, 0
-        self.rank_peak: dict[str, int] = defaultdict(int)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.root.exists():
-                total = 0
-                for rank in sorted(self.root.glob("rank*")):
-                    size = window_bytes(rank)
-                    self.rank_peak[rank.name] = max(self.rank_peak[rank.name], size)
-                    total += size
-                self.peak, self.samples = max(self.peak, total), self.samples + 1
-            time.sleep(0.005)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def start_training(ws, jobs):
     """The training job as the train stage starts it (engine.registry.start_train: torchrun's argv, the
     NCCL env and train_env)."""
@@ -183,13 +136,8 @@ def test_two_ranks_train_disjoint_shards_within_the_window_and_resume_after_kill
     jobs, manager = JobManager(ws.jobs_dir), ServerManager(ws)
     asyncio.run(manager.start())
     try:
-        def past_a_checkpoint(events: list[dict]) -> bool:
-            saved = [e["step"] for e in events if e.get("type") == "checkpoint"]
-            done = [e["done"] for e in events if e.get("type") == "progress"]
-            return bool(saved and done and done[-1] >= saved[-1] + 2)
-
         first: list[dict] = []
-        with Sampler(root) as sampler:
+        with WindowSampler(root) as sampler:
             info = start_training(ws, jobs)
             torchrun = psutil.Process(info.pid)
             info = follow(jobs, info.id, first, until=past_a_checkpoint)

@@ -12,22 +12,10 @@ import torch
 
 from engine.train.data import Batch, TeacherOut
 from engine.train.loss import STAT_FIELDS, TTTModel, fused_chunk_rows
-from engine.train.model import DraftConfig, Eagle3Drafter
+from tests.helpers.drafters import TINY_TRAIN_CFG, tiny_training_drafter
 
-CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, vocab_size=90,
-           draft_vocab_size=40, rms_norm_eps=1e-5)
-
-
-def tiny_drafter(dtype=torch.float32, seed: int = 0) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    model = Eagle3Drafter(DraftConfig(**CFG))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.3)
-            elif "norm" in name:
-                param.uniform_(0.5, 1.5)  # a norm weight of ones would hide a wrong norm_w gradient
-    return model.to(dtype)
+CFG = TINY_TRAIN_CFG
+tiny_drafter = tiny_training_drafter
 
 
 def random_inputs(b: int, t: int, dtype=torch.float32, seed: int = 1, full_mask: bool = False):

@@ -15,22 +15,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.train import mixed
 from engine.train.data import Batch, TeacherOut
 from engine.train.loss import TTTModel
-from engine.train.model import DraftConfig, Eagle3Drafter
+from engine.train.model import Eagle3Drafter
+from tests.helpers.drafters import TINY_TRAIN_CFG, tiny_training_drafter
 
-CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, vocab_size=90,
-           draft_vocab_size=40, rms_norm_eps=1e-5)
+CFG = TINY_TRAIN_CFG
 TTT = 7
 
 
 def tiny_drafter(seed: int = 0) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    model = Eagle3Drafter(DraftConfig(**CFG))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.3)
-            elif "norm" in name:
-                param.uniform_(0.5, 1.5)  # a norm weight of ones would hide a wrong weight gradient
+    model = tiny_training_drafter(seed=seed)
     model.embed_tokens.to(torch.bfloat16)  # as place_drafter holds it on the GPU
     return model
 

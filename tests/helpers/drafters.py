@@ -41,3 +41,22 @@ def training_attention_reference(target, drafter, steps: int = 3):
     with torch.no_grad():
         aux = aux_features(target(input_ids=ids, output_hidden_states=True).hidden_states, AUX)
         return ids, aux, drafter.draft_logits(ids, aux, steps=steps)
+
+
+# A drafter small enough for float64 gradient checks of the training step.
+TINY_TRAIN_CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                      vocab_size=90, draft_vocab_size=40, rms_norm_eps=1e-5)
+
+
+def tiny_training_drafter(dtype: torch.dtype = torch.float32, seed: int = 0) -> Eagle3Drafter:
+    """TINY_TRAIN_CFG's drafter with weights far from their defaults: a norm weight of ones would hide a
+    wrong norm-weight gradient."""
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(DraftConfig(**TINY_TRAIN_CFG))  # type: ignore[arg-type]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.3)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model.to(dtype)
