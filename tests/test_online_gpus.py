@@ -194,3 +194,47 @@ def test_two_ranks_train_disjoint_shards_within_the_window_and_resume_after_kill
     assert (ws.drafter_dir / "export" / "config.json").is_file()
     print(f"2 ranks: resumed from step {c} of {total}; {len(twice)} samples trained twice; window peak "
           f"{sampler.peak:,} of {budget:,} bytes (per rank {dict(sampler.rank_peak)}) over {sampler.samples} samples")
+
+
+def test_two_ranks_in_hybrid_mode_each_keep_their_own_samples_within_their_share(tiny_chat_model_dir, tmp_path):
+    """Hybrid on two torchrun ranks: each rank keeps (in `rank<r>/kept/`, with a manifest) training samples of
+    its own batches, never streams a sample it kept, and never holds more than its half of the window."""
+    from engine.jobs.manager import JobManager
+    from engine.records import read_manifest, verify_record
+    from engine.server.manager import ServerManager
+    from engine.train.data import is_eval
+    from engine.train.online import LEDGER
+    from engine.train.window import window_budget, window_dir
+
+    ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir,
+                        **{**TRAIN, "train.mode": "hybrid", "train.window_gb": 0.001, "dataset.path": "train.jsonl",
+                           "extract.output_dir": str(tmp_path / "disk")})
+    write_conversations(ws.root / "train.jsonl", 16)
+    budget, root = window_budget(ws.config), window_dir(ws)
+    jobs, manager = JobManager(ws.jobs_dir), ServerManager(ws)
+    asyncio.run(manager.start())
+    try:
+        events: list[dict] = []
+        with WindowSampler(root) as sampler:
+            info = follow(jobs, start_training(ws, jobs).id, events)
+        assert info.state == "succeeded", jobs.tail(info.id, 30)
+    finally:
+        asyncio.run(manager.stop(grace=5))
+
+    started = next(e for e in events if e.get("type") == "started")
+    assert started["mode"] == "hybrid" and started["world"] == 2 and started["keep_budget"] > 0
+    lines = [json.loads(line) for line in (ws.drafter_dir / LEDGER).read_text().splitlines()]
+    fraction = ws.config.train.eval_fraction
+    for rank in (0, 1):
+        kept_dir = root / f"rank{rank}" / "kept"
+        kept, _ = read_manifest(kept_dir)
+        kept_train = {i for i in kept if not is_eval(i, fraction)}
+        assert kept_train, f"rank {rank} kept no training sample"
+        assert all(verify_record(kept_dir, entry) is None for entry in kept.values())  # durable, hashed
+        streamed = {l["id"] for l in lines if l["rank"] == rank}
+        assert streamed and not streamed & kept_train  # kept once, read from disk by every later epoch
+        assert 0 < sampler.rank_peak[f"rank{rank}"] <= budget // 2
+    assert 0 < sampler.peak <= budget and sampler.samples > 50
+    assert (ws.drafter_dir / "export" / "config.json").is_file()
+    print(f"2 ranks, hybrid: kept {[len(read_manifest(root / f'rank{r}' / 'kept')[0]) for r in (0, 1)]} records; "
+          f"window peak {sampler.peak:,} of {budget:,} bytes (per rank {dict(sampler.rank_peak)})")
