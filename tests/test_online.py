@@ -10,15 +10,8 @@ consumed after the checkpoint it resumed from.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
@@ -27,8 +20,9 @@ from engine.config import ConfigError, parse_config, set_value
 from engine.registry import prerequisites, red_prerequisites, server_users
 from engine.train.window import Window, record_bytes, window_dir
 from tests.helpers.slots import RequestSlots
-from tests.helpers.window import WindowSampler, past_a_checkpoint, window_bytes
-from tests.helpers.workspaces import make_workspace, write_conversations
+from tests.helpers.online import online_workspace, run_job
+from tests.helpers.window import WindowSampler
+from tests.helpers.workspaces import make_workspace
 
 
 # ---------------------------------------------------------------------------- settings and checklist
@@ -81,134 +75,12 @@ def test_window_admits_within_budget_and_one_batch_beyond():
 
 # ---------------------------------------------------------------------------- real runs
 
-TRAIN = {"train.draft_vocab_size": 128, "train.max_len": 64, "train.batch_size": 2, "train.ttt_steps": 3,
-         "train.log_every": 1, "train.save_every": 4, "train.eval_fraction": 0.15, "train.epochs": 3,
-         "train.learning_rate": 1e-2, "extract.concurrency": 2, "train.mode": "online", "train.window_gb": 0.0002}
-
-
-@contextlib.contextmanager
-def small_disk(path: Path, size: str):
-    """A tmpfs of `size` at `path` when we may mount one (root), else a plain directory; yields whether mounted."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], capture_output=True).returncode == 0
-    try:
-        yield mounted
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-def run_job(ws, jobs, sink: list[dict], until=None, timeout: float = 300.0):
-    """Start the train stage's job (as the console does) and collect its events until it ends, or until
-    `until(events)` is true (then it is left running and returned)."""
-    from engine.registry import start_train
-
-    job = start_train(ws, jobs)
-    offset, deadline = 0, time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        events, offset = jobs.events(job.id, offset)
-        sink.extend(events)
-        info = jobs.get(job.id)
-        if until is not None and until(sink) and info.pid:
-            return info
-        if not info.active:
-            events, offset = jobs.events(job.id, offset)
-            sink.extend(events)
-            return info
-        time.sleep(0.01)
-    raise AssertionError(f"training job {job.id} still running after {timeout:.0f}s: {jobs.tail(job.id, 20)}")
-
-
 @pytest.fixture
 def online_ws(request, tiny_chat_model_dir, tmp_path):
     """A workspace in online mode whose window lives on a small disk (256k unless parametrized), with a
     real local server running."""
-    from engine.server.manager import ServerManager
-
-    disk = tmp_path / "disk"
-    with small_disk(disk, getattr(request, "param", "256k")) as mounted:
-        ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir, **{**TRAIN, "dataset.path": "train.jsonl",
-                                                                     "extract.output_dir": str(disk)})
-        write_conversations(ws.root / "train.jsonl", 20)
-        manager = ServerManager(ws)
-        asyncio.run(manager.start())
-        try:
-            yield ws, mounted
-        finally:
-            asyncio.run(manager.stop(grace=5))
-
-
-def test_online_training_killed_resumes_and_retrains_only_what_followed_the_checkpoint(online_ws):
-    from engine.checks.context import CheckContext
-    from engine.checks.disk import check_disk
-    from engine.checks.train import check_train
-    from engine.jobs.manager import JobManager
-    from engine.pipeline import get_stage
-    from engine.train.online import LEDGER
-    from engine.train.window import window_budget, window_dir
-
-    ws, mounted = online_ws
-    budget = window_budget(ws.config)
-    root = window_dir(ws)
-    jobs = JobManager(ws.jobs_dir)
-
-    first: list[dict] = []
-    with WindowSampler(root) as sampler:
-        info = run_job(ws, jobs, first, until=past_a_checkpoint)
-        assert info.active, f"the run ended before a checkpoint and two more steps: {first[-5:]}"
-        killed_after = [e["done"] for e in first if e.get("type") == "progress"][-1]
-        os.kill(info.pid, signal.SIGKILL)  # the trainer itself, at once
-        while jobs.get(info.id).active:
-            time.sleep(0.05)
-        started = next(e for e in first if e.get("type") == "started")
-        assert started["mode"] == "online" and started["window_budget"] == budget
-        assert started["offline_bytes"] > budget  # the point: the run does not fit the window
-        live = [e for e in first if e.get("type") == "progress"][-1]
-        assert live["window_budget"] == budget and 0 <= live["window_bytes"] <= budget
-        assert live["capture_tokens_per_s"] >= 0 and live["train_tokens_per_s"] >= 0 and live["epoch"] >= 1
-
-        second: list[dict] = []
-        info = run_job(ws, jobs, second)
-        assert info.state == "succeeded", jobs.tail(info.id, 30)
-    resumed = next(e for e in second if e.get("type") == "resumed")
-    c = resumed["step"]
-    total = resumed_total = next(e for e in second if e.get("type") == "started")["total_steps"]
-    steps_per_epoch = total // ws.config.train.epochs
-    assert (resumed["epoch"], resumed["next_index"]) == (c // steps_per_epoch, (c % steps_per_epoch) * 2)
-
-    lines = [json.loads(line) for line in (ws.drafter_dir / LEDGER).read_text().splitlines()]
-    pids = list(dict.fromkeys(line["pid"] for line in lines))
-    assert len(pids) == 2
-    before = [(l["step"], l["id"]) for l in lines if l["pid"] == pids[0]]
-    after = [(l["step"], l["id"]) for l in lines if l["pid"] == pids[1]]
-    twice = set(before) & set(after)
-    # The guarantee: exactly what the killed run consumed at or after the checkpoint's step is trained again.
-    assert twice == {pair for pair in before if pair[0] >= c}
-    assert twice and all(step >= c for step, _ in twice)
-    assert {step for step, _ in after} == set(range(c, resumed_total))  # every later step, once
-    assert {step for step, _ in before} >= set(range(c))  # every earlier step was consumed before the kill
-    assert len(after) == len(set(after))
-    print(f"killed after step {killed_after}, resumed from {c}: {len(twice)} samples trained twice "
-          f"(steps {min(s for s, _ in twice)}-{max(s for s, _ in twice)}), window peak {sampler.peak:,} of "
-          f"{budget:,} bytes over {sampler.samples} samples{' on a 256k tmpfs' if mounted else ''}")
-
-    assert sampler.samples > 50 and 0 < sampler.peak <= budget
-    assert not (root / "stream").exists() or window_bytes(root / "stream") == 0  # emptied at the end
-    ends = [e for e in second if e.get("type") == "window" and "window_peak" in e]
-    assert ends and ends[-1]["window_peak"] <= budget and ends[-1]["captured"] > 0
-    assert (ws.drafter_dir / "export" / "config.json").is_file()
-
-    ctx = CheckContext(ws)
-    train = check_train(ctx)
-    assert train[0].status.value == "pass" and "trained online" in train[0].evidence, train[0].evidence
-    disk = {r.name: r for r in check_disk(ctx)}
-    assert disk["budget"].status.value == "pass" and "never exceed the window" in disk["budget"].evidence
-    extract = get_stage("extract").checks(ctx)
-    assert extract[0].status.value == "pass" and extract[0].evidence.startswith("not needed")
-    ws.save_config(set_value(ws.config, "train.mode", "offline"))
-    ws.reload()
-    assert get_stage("extract").checks(CheckContext(ws))[0].status.value == "fail"
+    with online_workspace(tiny_chat_model_dir, tmp_path, getattr(request, "param", "256k")) as made:
+        yield made
 
 
 @pytest.mark.parametrize("online_ws", ["640k"], indirect=True)
@@ -249,32 +121,6 @@ def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online
     assert 0 < sampler.peak <= budget
 
 
-def test_online_training_rides_out_a_server_killed_mid_epoch(online_ws):
-    """kill -9 of the target server while the trainer waits on captures: the capture path's outage
-    handling restarts the server the engine owns, and training finishes within its window."""
-    from engine.jobs.manager import JobManager
-    from engine.server.manager import ServerManager
-    from engine.train.window import window_budget, window_dir
-
-    ws, _ = online_ws
-    budget, root = window_budget(ws.config), window_dir(ws)
-    jobs, manager = JobManager(ws.jobs_dir), ServerManager(ws)
-    server = manager.job()
-    assert server is not None and server.pid
-    events: list[dict] = []
-    with WindowSampler(root) as sampler:
-        info = run_job(ws, jobs, events, until=lambda ev: any(e.get("type") == "progress" and e["done"] >= 3
-                                                               for e in ev))
-        os.kill(server.pid, signal.SIGKILL)
-        info = run_job_until_end(jobs, info.id, events)
-    assert info.state == "succeeded", jobs.tail(info.id, 30)
-    kinds = [e.get("type") for e in events]
-    assert "server_down" in kinds and "server_restart" in kinds and "server_up" in kinds, kinds
-    restarted = manager.job()
-    assert restarted is not None and restarted.pid != server.pid
-    assert (ws.drafter_dir / "export" / "config.json").is_file() and 0 < sampler.peak <= budget
-
-
 @pytest.mark.parametrize("online_ws", ["64m"], indirect=True)
 def test_the_server_keeps_its_requests_while_online_records_are_written(online_ws, monkeypatch):
     """The online producer writes a record after its request has given the slot back, as the extraction
@@ -308,15 +154,6 @@ def test_the_server_keeps_its_requests_while_online_records_are_written(online_w
     # Never, had a writing worker kept its slot; the last writes find nothing left to send.
     assert slots.full_during_write >= 2, slots
     assert not (window_dir(ws) / "stream").exists()  # emptied by close()
-
-
-def run_job_until_end(jobs, job_id: str, sink: list[dict], timeout: float = 300.0):
-    """Wait for a job `run_job` left running; `sink` ends up holding all its events."""
-    deadline = time.monotonic() + timeout
-    while jobs.get(job_id).active and time.monotonic() < deadline:
-        time.sleep(0.05)
-    sink[:] = jobs.events(job_id, 0)[0]
-    return jobs.get(job_id)
 
 
 def test_a_checkpoint_resumes_only_in_its_mode_family(tiny_chat_model_dir, tmp_path):

@@ -27,7 +27,7 @@ after the last checkpoint: the batches of steps from the checkpoint's step up to
 trainer had read (at most the prefetch depth past the step it was training). Their updates died with
 the process, so the resumed weights see each sample once per epoch; only the capture and the compute
 are repeated. `<drafter_dir>/online_ledger.jsonl` records every consumption (step, sample id), which is
-how tests/test_online.py checks this.
+how tests/faults/test_kill_online.py checks this.
 
 Several trainer ranks (train.num_gpus > 1, torchrun): each rank captures and consumes its own shard,
 the samples of its own batches (the trainer's `_batch_entries`, as offline: step s of rank r trains
