@@ -47,6 +47,7 @@ filesystem), not a transport of our own; this module builds the one-box version.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import shutil
@@ -414,6 +415,15 @@ class OnlineData(RecordData):
                                       "check the `capture` stage (`eagle3-console check capture`), fix what it "
                                       "names, then start training again: it resumes from its checkpoint") from None
                 self._event("retry", id=job.sample.id, attempt=attempt, reason=str(exc))
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # Not a pause, as in the extraction: what fills the disk may be the window's own records of
+                # later steps, which only the trainer's progress frees, and it waits for this one.
+                where = self.kept_dir if job.keep else self.stream_dir
+                raise OnlineError(f"disk full while writing the online window in {where} ({exc.strerror}): free "
+                                  "space on that disk or lower train.window_gb (`eagle3-console check disk` shows "
+                                  "what fits), then start training again: it resumes from its checkpoint") from None
 
     def _store(self, extractor, job: _Job, rid: str) -> None:
         """Stream the capture into its record: kept/ durably with a manifest line, stream/ without fsync."""

@@ -216,3 +216,25 @@ def test_two_ranks_train_disjoint_shards_within_the_window_and_resume_after_kill
     assert (ws.drafter_dir / "export" / "config.json").is_file()
     print(f"2 ranks: resumed from step {c} of {total}; {len(twice)} samples trained twice; window peak "
           f"{sampler.peak:,} of {budget:,} bytes (per rank {dict(sampler.rank_peak)}) over {sampler.samples} samples")
+
+
+def test_a_full_disk_under_the_window_fails_the_job_naming_the_disk_and_the_fix(tiny_chat_model_dir, tmp_path):
+    """train.window_gb larger than the disk it lives on (a 256k tmpfs, 2 MB window): the write that finds the
+    disk full fails the job with the window's directory and what to change, not a bare OSError; the
+    checkpoints it wrote stay (a restart resumes from them)."""
+    from engine.jobs.manager import JobManager
+
+    with online_workspace(tiny_chat_model_dir, tmp_path) as (ws, mounted):
+        if not mounted:
+            pytest.skip("needs a small tmpfs under the window (run as root)")
+        ws.save_config(set_value(ws.config, "train.window_gb", 0.002))
+        ws.reload()
+        jobs = JobManager(ws.jobs_dir)
+        events: list[dict] = []
+        info = run_job(ws, jobs, events)
+    said = " ".join([*(str(e.get("message") or e.get("reason") or "") for e in events), *jobs.tail(info.id, 40)])
+    named = "disk full while writing the online window" in said and "train.window_gb" in said
+    ledger.add("disk full under the online window", trials=1, faults=1, losses=int(info.state != "failed" or not named))
+    assert info.state == "failed", jobs.tail(info.id, 30)
+    assert named, said[-3000:]
+    assert "resumes from its checkpoint" in said
