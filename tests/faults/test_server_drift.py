@@ -388,7 +388,8 @@ async def test_console_applies_console_toml_by_restarting_the_server(model8, tmp
     ws = _ws(tmp_path / "ws", model8, **{"extract.spool_dir": str(tmp_path / "spoolA"),
                                          "server.port": free_port()})
     manager = ServerManager(ws)
-    assert (await manager.start()).state == "ready"
+    first = await manager.start()
+    assert first.state == "ready" and first.job_id, first
     try:
         ws = _change(ws, "extract.spool_dir", str(tmp_path / "spoolB"))
         engine = Engine(Workspace(ws.root))
@@ -403,7 +404,10 @@ async def test_console_applies_console_toml_by_restarting_the_server(model8, tmp
             shown = screen_text(app)  # long paths wrap mid-word in the dialog
             assert "extract.spool_dir: the server runs with" in shown and "console.toml says" in shown, shown
             await pilot.press("y")
+            # The new server, ready: while the old one stops there is a moment with no drift (none runs) and
+            # the last poll's "ready" still held, which is not the restart having happened.
             await wait_until(pilot, lambda: engine.server_status is not None and engine.server_status.state == "ready"
+                             and engine.server_status.job_id not in (None, first.job_id)
                              and not engine.server_drift(), 90)
             await wait_until(pilot, lambda: "restart s" not in screen_text(app), 30)
         record = ServerManager(Workspace(ws.root)).record()
