@@ -40,8 +40,8 @@ and data.json; every rank appends its own ledger lines (with its rank), so the g
 for the ranks together: what any rank consumed at or after the checkpoint's step is trained twice.
 Only rank 0 restarts a crashed server.
 
-Across machines the window would live in an existing store (Mooncake's transfer engine, or a shared
-filesystem), not a transport of our own; this module builds the one-box version.
+Across machines (README, "Across machines"): capture agents on the server hosts, the trainer keeping the
+order and the budget by tickets, the records in Mooncake Store or on a shared filesystem. Not built.
 """
 
 from __future__ import annotations
