@@ -103,7 +103,8 @@ def test_two_ranks_in_hybrid_mode_each_keep_their_own_samples_within_their_share
     from engine.train.window import window_budget, window_dir
 
     ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir,
-                        **{**TWO_RANK_TRAIN, "train.mode": "hybrid", "train.window_gb": 0.001, "dataset.path": "train.jsonl",
+                        **{**TWO_RANK_TRAIN, "train.mode": "hybrid", "train.window_gb": 0.001, "train.epochs": 4,
+                           "dataset.path": "train.jsonl",
                            "extract.output_dir": str(tmp_path / "disk")})
     write_conversations(ws.root / "train.jsonl", 16)
     budget, root = window_budget(ws.config), window_dir(ws)
@@ -121,16 +122,22 @@ def test_two_ranks_in_hybrid_mode_each_keep_their_own_samples_within_their_share
     assert started["mode"] == "hybrid" and started["world"] == 2 and started["keep_budget"] > 0
     lines = [json.loads(line) for line in (ws.drafter_dir / LEDGER).read_text().splitlines()]
     fraction = ws.config.train.eval_fraction
+    kept_by: dict[int, set[str]] = {}
     for rank in (0, 1):
         kept_dir = root / f"rank{rank}" / "kept"
         kept, _ = read_manifest(kept_dir)
-        kept_train = {i for i in kept if not is_eval(i, fraction)}
-        assert kept_train, f"rank {rank} kept no training sample"
+        kept_by[rank] = {i for i in kept if not is_eval(i, fraction)}
+        assert kept_by[rank], f"rank {rank} kept no training sample"
         assert all(verify_record(kept_dir, entry) is None for entry in kept.values())  # durable, hashed
-        streamed = {l["id"] for l in lines if l["rank"] == rank}
-        assert streamed and not streamed & kept_train  # kept once, read from disk by every later epoch
+        streamed = {l["id"] for l in lines if l["rank"] == rank and "kept_by" not in l}
+        assert streamed and not streamed & kept_by[rank]  # kept once, read from disk by every later epoch
         assert 0 < sampler.rank_peak[f"rank{rank}"] <= budget // 2
+    # A sample one rank kept is read from that rank's kept/ when the epoch's order hands it to the other.
+    shared = [l for l in lines if "kept_by" in l]
+    assert shared, "no rank read a record another rank kept"
+    assert all(l["id"] in kept_by[int(l["kept_by"][4:])] and l["kept_by"] != f"rank{l['rank']}" for l in shared)
     assert 0 < sampler.peak <= budget and sampler.samples > 50
     assert (ws.drafter_dir / "export" / "config.json").is_file()
-    print(f"2 ranks, hybrid: kept {[len(read_manifest(root / f'rank{r}' / 'kept')[0]) for r in (0, 1)]} records; "
+    print(f"2 ranks, hybrid: kept {[len(read_manifest(root / f'rank{r}' / 'kept')[0]) for r in (0, 1)]} records, "
+          f"{len(shared)} reads of the other rank's; "
           f"window peak {sampler.peak:,} of {budget:,} bytes (per rank {dict(sampler.rank_peak)})")

@@ -34,8 +34,9 @@ the samples of its own batches (the trainer's `_batch_entries`, as offline: step
 epoch-order positions s*B*W + r*B .. +B-1), into its own window, `<window>/rank<r>/`, of
 `train.window_gb / num_gpus`: the ranks together never hold more than the window plus one batch per
 rank. Each rank keeps its share of the held-out set (the trainer evaluates slice r of it on rank r);
-in hybrid mode a rank keeps the training samples it meets and reuses them when it meets them again
-(a sample another rank kept is captured again: the ranks share no store). Rank 0 writes checkpoints
+in hybrid mode a rank keeps the training samples it meets, and every rank reads a sample some rank has
+kept from that rank's kept/ (the manifests, read as they grow; one box, one filesystem) instead of
+capturing it again, unless it was dispatched before the keeping rank's record was committed. Rank 0 writes checkpoints
 and data.json; every rank appends its own ledger lines (with its rank), so the guarantee above holds
 for the ranks together: what any rank consumed at or after the checkpoint's step is trained twice.
 Only rank 0 restarts a crashed server.
@@ -56,6 +57,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from engine.io import atomic
@@ -95,9 +97,10 @@ class OnlineError(EngineError):
 
 @dataclass
 class _Ready:
-    entry: RecordEntry  # the record in stream/
-    nbytes: int  # as reserved
+    entry: RecordEntry  # the record in stream/ (or in a peer rank's kept/, when `peer_dir` is set)
+    nbytes: int  # as reserved (0 for a peer's kept record: it counts in that rank's window)
     step: int
+    peer_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,9 @@ class OnlineData(RecordData):
         self.kept: dict[str, RecordEntry] = {}  # sample id -> its record in kept/
         self._keeping: set[str] = set()  # being captured to be kept
         self._ready: dict[str, deque[_Ready]] = {}
+        self.peer_kept: dict[str, tuple[Path, RecordEntry]] = {}  # hybrid, several ranks: other ranks' kept/
+        self._peers_read = 0.0
+        self.peer_reads = 0
         self._cond = threading.Condition()
         self._error: str | None = None
         self._closed = False
@@ -341,9 +347,13 @@ class OnlineData(RecordData):
                 if entry.id not in self.kept:
                     await self._dispatch(jobs, entry, -1, keep=True)
             for step in range(first_step, limit):
+                self._refresh_peers()
                 for entry in batch_entries(step):
                     if entry.id in self.kept or entry.id in self._keeping:
                         continue  # read from kept/ (hybrid), captured once
+                    if entry.id in self.peer_kept:  # another rank kept it: read from there, in this order
+                        self._queue_peer(entry.id, step)
+                        continue
                     keep = self.mode == "hybrid" and self.keep_used + entry.bytes <= self.keep_budget
                     if keep:
                         self.keep_used += entry.bytes
@@ -364,6 +374,29 @@ class OnlineData(RecordData):
             await asyncio.to_thread(writes.shutdown, True)  # the writes under way end before the window closes
             for _, client in clients:
                 await client.aclose()
+
+    def _refresh_peers(self) -> None:
+        """Hybrid on several ranks: the training records the other ranks have kept so far (their manifests,
+        appended once a record is durable; every rank has opened its kept/ before any producer starts, as
+        the trainer's DDP set-up waits for all). Without this a sample kept by one rank would be captured
+        again whenever the epoch's order gives it to another: most of the time on many ranks."""
+        if self.mode != "hybrid" or self.world == 1 or time.monotonic() - self._peers_read < 0.1:
+            return
+        self._peers_read = time.monotonic()
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            peer = rank_window_dir(self.ws, rank, self.world) / KEPT
+            entries, _ = read_manifest(peer)
+            for entry in entries.values():
+                if entry.id not in self.kept and entry.id not in self.peer_kept:
+                    self.peer_kept[entry.id] = (peer, entry)
+
+    def _queue_peer(self, sample_id: str, step: int) -> None:
+        peer, entry = self.peer_kept[sample_id]
+        with self._cond:
+            self._ready.setdefault(sample_id, deque()).append(_Ready(entry, 0, step, peer_dir=peer))
+            self._cond.notify_all()
 
     async def _dispatch(self, jobs, entry: RecordEntry, step: int, keep: bool) -> bool:
         """Reserve the record's bytes (waiting while the window is full), then queue its capture."""
@@ -472,6 +505,15 @@ class OnlineData(RecordData):
             except (OSError, RecordError) as exc:
                 raise TrainDataError(f"{self.kept_dir / kept.path}: {exc}; delete {self.kept_dir} and start "
                                      "training again (it captures the kept records again)") from None
+        if ready.peer_dir is not None:
+            try:
+                tensors = load_record(ready.peer_dir, ready.entry, verify=True)
+            except (OSError, RecordError) as exc:
+                raise TrainDataError(f"{ready.peer_dir / ready.entry.path}: {exc}; delete {ready.peer_dir} and "
+                                     "start training again (it captures the kept records again)") from None
+            self.peer_reads += 1
+            self._ledger(ready.step, entry.id, kept_by=ready.peer_dir.parent.name)
+            return tensors
         path = self.stream_dir / ready.entry.path
         try:
             tensors = load_record(self.stream_dir, ready.entry, verify=True)
@@ -484,9 +526,11 @@ class OnlineData(RecordData):
         self._ledger(ready.step, entry.id)
         return tensors
 
-    def _ledger(self, step: int, sample_id: str) -> None:
-        """One line per consumed record; appended without fsync: a kill of the process loses none."""
-        line = json.dumps({"step": step, "id": sample_id, "pid": os.getpid(), "rank": self.rank}) + "\n"
+    def _ledger(self, step: int, sample_id: str, kept_by: str | None = None) -> None:
+        """One line per consumed record (`kept_by`: read from that rank's kept/, not captured); appended
+        without fsync: a kill of the process loses none."""
+        fields = {"step": step, "id": sample_id, "pid": os.getpid(), "rank": self.rank}
+        line = json.dumps({**fields, "kept_by": kept_by} if kept_by else fields) + "\n"
         path = self.ws.drafter_dir / LEDGER
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
