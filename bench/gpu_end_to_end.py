@@ -19,7 +19,9 @@ of `--online-window-frac` of the offline records' bytes), its window directory s
 then both drafters evaluated back to back with the server stopped, and one summary block
 (bench/online_compare.py). To fit one call, `--skip-capture-overhead` and a shorter evaluation
 (`--eval-rounds 1 --eval-concurrency 1 --eval-sweep ''`). Every phase's wall time is logged and kept
-in results.json ("phases").
+in results.json ("phases"). `--beside-capture` adds, before the online leg, the offline training again
+while extraction jobs capture from the same server in their own process: what sharing the GPU and host
+costs the trainer, apart from what its in-process producer costs.
 
 On the lent device (10 minutes a call, 8 files back) the default 110 s of target training leaves
 room for the answer regeneration and the evaluation; copy back only the log, results.json,
@@ -36,6 +38,7 @@ import hashlib
 import json
 import math
 import random
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -369,6 +372,9 @@ def main() -> int:
     parser.add_argument("--skip-capture-overhead", action="store_true", help="no capture-overhead rounds")
     parser.add_argument("--compare-online", action="store_true",
                         help="also train a drafter with train.mode = online (same data, steps, seed) and compare")
+    parser.add_argument("--beside-capture", action="store_true",
+                        help="with --compare-online: the offline training again while extraction jobs capture from "
+                             "the same server in their own process (tells GPU sharing from the in-process producer)")
     parser.add_argument("--online-window-frac", type=float, default=0.03,
                         help="online window (train.window_gb) as a fraction of the offline records' bytes")
     parser.add_argument("--port", type=int, default=30123, help="server.port")
@@ -535,6 +541,9 @@ def main() -> int:
     laps.lap("offline_training")
 
     online_error = None
+    if args.compare_online and args.beside_capture:
+        train_beside_capture(ws, jobs, status_cmd, out, results)
+        laps.lap("training_beside_capture")
     if args.compare_online:
         online_error = train_online(ws, jobs, status_cmd, out, results, args.online_window_frac)
         laps.lap("online_training")
@@ -611,6 +620,48 @@ def train_online(ws, jobs, status_cmd: list[str], out: Path, results: dict, wind
     log(f"online window sampled: {results['online']['window_sampled']} (budget {budget:,} B)")
     save_results(out, results)
     return error
+
+
+BESIDE_RUN, SCRATCH_EXTRACT = "beside1", "scratch1"
+
+
+def train_beside_capture(ws, jobs, status_cmd: list[str], out: Path, results: dict) -> None:
+    """The offline training job again (train.run = BESIDE_RUN) while extraction jobs of the same dataset
+    capture from the same server into a scratch run, one after another: the trainer's rate with the GPU
+    and the host shared with capture, the capture in a process of its own. Beside the online rate, this
+    tells what sharing costs from what the online producer (a thread of the trainer) costs."""
+    from online_compare import trainer_rate
+
+    from engine.config import set_value
+
+    original = ws.config
+    ws.save_config(set_value(original, "train.run", BESIDE_RUN))
+    train = job_starter("train")(ws, jobs)
+    live = ("starting", "running")
+    # The job reads console.toml as it starts: switch the extraction run only once it has started.
+    while jobs.get(train.id).state in live and not any(e.get("type") == "started" for e in jobs.events(train.id, 0)[0]):
+        time.sleep(0.2)
+    ws.save_config(set_value(ws.config, "extract.run", SCRATCH_EXTRACT))
+    rounds, captured = 0, 0
+    scratch, beside = ws.hidden_dir, ws.path(original.train.output_dir) / BESIDE_RUN
+    while jobs.get(train.id).state in live:
+        shutil.rmtree(scratch, ignore_errors=True)
+        extract = job_starter("extract")(ws, jobs)
+        while jobs.get(extract.id).state in live:
+            time.sleep(0.2)
+        events, _ = jobs.events(extract.id, 0)
+        finished = next((e for e in events if e.get("type") == "finished"), None)
+        if finished is None:
+            log(f"scratch extraction {extract.id} ended without finishing: {jobs.tail(extract.id, 10)}")
+            break
+        rounds, captured = rounds + 1, captured + finished["tokens"]
+    follow(jobs, train.id, status_cmd, out, "train_beside")
+    shutil.rmtree(scratch, ignore_errors=True)
+    ws.save_config(original)
+    results["beside_capture"] = {**trainer_rate(beside / "metrics.jsonl"),
+                                 "extraction_rounds": rounds, "tokens_captured": captured}
+    log(f"offline training beside capture {results['beside_capture']}")
+    save_results(out, results)
 
 
 def compare(results: dict, offline_report: dict, online_report: dict) -> None:
