@@ -16,9 +16,9 @@ import json
 import pytest
 
 from engine.config import ConfigError, parse_config, set_value
-from tests.helpers.online import TWO_RANK_TRAIN, follow, start_training
+from tests.helpers.online import follow, start_training, two_rank_workspace
 from tests.helpers.window import WindowSampler
-from tests.helpers.workspaces import make_workspace, write_conversations
+from tests.helpers.workspaces import make_workspace
 
 
 def test_gpu_sets_reach_the_server_and_the_training_job(tiny_chat_model_dir, tmp_path):
@@ -95,28 +95,18 @@ def test_a_window_left_by_another_rank_count_is_removed(tmp_path):
 def test_two_ranks_in_hybrid_mode_each_keep_their_own_samples_within_their_share(tiny_chat_model_dir, tmp_path):
     """Hybrid on two torchrun ranks: each rank keeps (in `rank<r>/kept/`, with a manifest) training samples of
     its own batches, never streams a sample it kept, and never holds more than its half of the window."""
-    from engine.jobs.manager import JobManager
     from engine.records import read_manifest, verify_record
-    from engine.server.manager import ServerManager
     from engine.train.data import is_eval
     from engine.train.online import LEDGER
     from engine.train.window import window_budget, window_dir
 
-    ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir,
-                        **{**TWO_RANK_TRAIN, "train.mode": "hybrid", "train.window_gb": 0.001, "train.epochs": 4,
-                           "dataset.path": "train.jsonl",
-                           "extract.output_dir": str(tmp_path / "disk")})
-    write_conversations(ws.root / "train.jsonl", 16)
-    budget, root = window_budget(ws.config), window_dir(ws)
-    jobs, manager = JobManager(ws.jobs_dir), ServerManager(ws)
-    asyncio.run(manager.start())
-    try:
+    hybrid = {"train.mode": "hybrid", "train.window_gb": 0.001, "train.epochs": 4}
+    with two_rank_workspace(tiny_chat_model_dir, tmp_path, **hybrid) as (ws, jobs):
+        budget, root = window_budget(ws.config), window_dir(ws)
         events: list[dict] = []
         with WindowSampler(root) as sampler:
             info = follow(jobs, start_training(ws, jobs).id, events)
         assert info.state == "succeeded", jobs.tail(info.id, 30)
-    finally:
-        asyncio.run(manager.stop(grace=5))
 
     started = next(e for e in events if e.get("type") == "started")
     assert started["mode"] == "hybrid" and started["world"] == 2 and started["keep_budget"] > 0

@@ -6,7 +6,6 @@ against a real local target server (tiny Llama on CPU) on 127.0.0.1."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -18,15 +17,14 @@ import pytest
 from engine.config import set_value
 from faults import ledger
 from tests.helpers.online import (
-    TWO_RANK_TRAIN,
     follow,
     online_workspace,
     run_job,
     run_job_until_end,
     start_training,
+    two_rank_workspace,
 )
 from tests.helpers.window import WindowSampler, past_a_checkpoint, window_bytes
-from tests.helpers.workspaces import make_workspace, write_conversations
 
 
 @pytest.fixture
@@ -142,18 +140,11 @@ def test_online_training_rides_out_a_server_killed_mid_epoch(online_ws):
 
 
 def test_two_ranks_train_disjoint_shards_within_the_window_and_resume_after_kill(tiny_chat_model_dir, tmp_path):
-    from engine.jobs.manager import JobManager
-    from engine.server.manager import ServerManager
     from engine.train.online import LEDGER
     from engine.train.window import window_budget, window_dir
 
-    ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir, **{**TWO_RANK_TRAIN, "dataset.path": "train.jsonl",
-                                                                 "extract.output_dir": str(tmp_path / "disk")})
-    write_conversations(ws.root / "train.jsonl", 16)
-    budget, root = window_budget(ws.config), window_dir(ws)
-    jobs, manager = JobManager(ws.jobs_dir), ServerManager(ws)
-    asyncio.run(manager.start())
-    try:
+    with two_rank_workspace(tiny_chat_model_dir, tmp_path) as (ws, jobs):
+        budget, root = window_budget(ws.config), window_dir(ws)
         first: list[dict] = []
         with WindowSampler(root) as sampler:
             info = start_training(ws, jobs)
@@ -172,8 +163,6 @@ def test_two_ranks_train_disjoint_shards_within_the_window_and_resume_after_kill
             second: list[dict] = []
             info = follow(jobs, start_training(ws, jobs).id, second)
             assert info.state == "succeeded", jobs.tail(info.id, 30)
-    finally:
-        asyncio.run(manager.stop(grace=5))
 
     resumed = next(e for e in second if e.get("type") == "resumed")
     c, total = resumed["step"], next(e for e in second if e.get("type") == "started")["total_steps"]

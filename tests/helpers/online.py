@@ -107,3 +107,22 @@ def online_workspace(tiny_chat_model_dir: Path, tmp_path: Path, disk_size: str =
             yield ws, mounted
         finally:
             asyncio.run(manager.stop(grace=5))
+
+
+@contextlib.contextmanager
+def two_rank_workspace(tiny_chat_model_dir: Path, tmp_path: Path, **changes):
+    """A workspace of TWO_RANK_TRAIN (plus `changes`) over 16 conversations, its window under tmp_path/disk,
+    with a real local server running; yields (workspace, JobManager)."""
+    from engine.jobs.manager import JobManager
+    from engine.server.manager import ServerManager
+
+    ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir,
+                        **{**TWO_RANK_TRAIN, **changes, "dataset.path": "train.jsonl",
+                           "extract.output_dir": str(tmp_path / "disk")})
+    write_conversations(ws.root / "train.jsonl", 16)
+    manager = ServerManager(ws)
+    asyncio.run(manager.start())
+    try:
+        yield ws, JobManager(ws.jobs_dir)
+    finally:
+        asyncio.run(manager.stop(grace=5))
