@@ -63,3 +63,47 @@ def demo_template(demo_content):
     from engine.workspace import init_workspace
 
     return init_workspace(demo_content[0], demo=True)
+
+
+# CI runs the suite on two workers (pytest-xdist, `--dist loadgroup`), and session fixtures are built
+# once per worker: every test that needs one of the fixtures that cost minutes (the demo build, the
+# SGLang wheel) goes to the same worker, so each is built once per run.
+_COSTLY_FIXTURE_GROUPS = {"demo_content": "demo", "sglang_cache": "sglang"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        needs = getattr(item, "fixturenames", ())
+        group = next((g for fixture, g in _COSTLY_FIXTURE_GROUPS.items() if fixture in needs), None)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+# The fault suite's figures (tests/faults/ledger.py), printed at the end of the run. An xdist worker's
+# own summary is not shown: each worker hands its rows to the controller, which prints them all.
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        from faults import ledger
+
+        workeroutput["fault_ledger"] = ledger.export()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent when the suite runs without xdist
+def pytest_testnodedown(node, error) -> None:
+    from faults import ledger
+
+    ledger.merge(getattr(node, "workeroutput", {}).get("fault_ledger", {}))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    from faults import ledger
+    from faults.helpers import SEED
+
+    lines = ledger.table()
+    if not lines:
+        return
+    terminalreporter.write_sep("=", f"fault injection figures (seed {SEED})")
+    for line in lines:
+        terminalreporter.write_line(line)

@@ -109,6 +109,11 @@ class SpoolWriterProcess:
         self._dead: str | None = None
         self._unlinked = False
 
+    @property
+    def arena_name(self) -> str | None:
+        """The shared arena's POSIX name (its file in /dev/shm until both processes have mapped it)."""
+        return None if self._shm is None else self._shm.name
+
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:

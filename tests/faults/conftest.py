@@ -15,17 +15,7 @@ import pytest
 
 from tests.helpers.processes import free_port
 from tests.helpers.workspaces import make_workspace
-from faults import ledger
-from faults.helpers import SEED, SharedServer, fault_workspace
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    lines = ledger.table()
-    if not lines:
-        return
-    terminalreporter.write_sep("=", f"fault injection figures (seed {SEED})")
-    for line in lines:
-        terminalreporter.write_line(line)
+from faults.helpers import SharedServer, fault_workspace
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The suite's figures: trials run, faults injected, records checked, losses found.
 
-Each fault test adds its counts here; tests/faults/conftest.py prints the table at the end of
-the pytest run, so the figures are visible in `pytest -q` output.
+Each fault test adds its counts here; tests/conftest.py prints the table at the end of the pytest
+run, so the figures are visible in `pytest -q` output (under pytest-xdist each worker hands its rows
+to the controller, which merges them).
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ def add(target: str, *, trials: int = 0, faults: int = 0, records: int = 0, loss
     row.faults += faults
     row.records += records
     row.losses += losses
+
+
+def export() -> dict[str, dict[str, int]]:
+    """The rows as plain data (what an xdist worker sends to the controller)."""
+    return {name: vars(row).copy() for name, row in LEDGER.items()}
+
+
+def merge(rows: dict[str, dict[str, int]]) -> None:
+    for name, counts in rows.items():
+        add(name, **counts)
 
 
 def table() -> list[str]:
