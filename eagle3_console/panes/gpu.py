@@ -209,6 +209,12 @@ class GpuPane(Pane):
             self._nccl_cache = (key, nccl_lines(*key))
         return list(self._nccl_cache[1])
 
+    def _text_width(self) -> int:
+        """The cells a line gets: the scroll's content width (less its scrollbar when it shows one), so
+        rows are cut to fit rather than wrapped by the Static."""
+        width = self.query_one(GpuScroll).scrollable_content_region.width or self.content_region.width
+        return max(40, width or 78)
+
     def _render_snapshot(self) -> None:
         snap = self.snapshot
         status = self.query_one("#gpu-status", Static)
@@ -230,13 +236,13 @@ class GpuPane(Pane):
             set_markup(status, f"{len(snap.gpus)} × {esc(first.architecture)} · interconnect [b]{esc(snap.interconnect)}[/b]"
                           f" · driver {esc(snap.driver_version or '?')}{cuda}")
             table.display = True
-            width = max(40, self.content_region.width or 78)
+            width = self._text_width()
             set_markup(table, "\n".join(gpu_rows(snap, width, self.history)))
         procs = self.query_one("#gpu-procs", Static)
         rows = self.process_rows if snap is not None and snap.available else None
         procs.display = rows is not None
         if rows is not None:
-            width = max(40, self.content_region.width or 78)
+            width = self._text_width()
             set_markup(procs, "\n".join(process_lines(rows, width)))
         lines = self._nccl_lines(suggested)
         if snap is not None and not snap.available:

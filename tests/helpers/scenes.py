@@ -289,4 +289,17 @@ async def apply_scene(app: ConsoleApp, pilot, scene: str, tab: str | None = None
     await app.workers.wait_for_complete()
     await pilot.pause(0.1)
     await app.workers.wait_for_complete()
+    if scene != "empty":  # under load the last read can land after the first wait: wait for its rows
+        from eagle3_console.panes import GpuPane
+
+        gpu = app.query_one(GpuPane)
+        for _ in range(100):
+            if gpu.process_rows:
+                break
+            await pilot.pause(0.02)
+        # Rendered twice: the first at the width the pane had, the second once the layout has settled.
+        for _ in range(2):
+            gpu.refresh_view()
+            await pilot.pause(0.05)
+            await pilot.pause()
     await pilot.pause(0.05)
