@@ -92,14 +92,16 @@ def job_rate(events: list[dict], tokens_per_step: float | None = None) -> dict[s
     progress = [e for e in events if e.get("type") == "progress"]
     tail = progress[len(progress) // 3:]
 
-    def med(key: str) -> float | None:
+    def med(key: str, digits: int | None = None) -> float | None:
         values = [e[key] for e in tail if isinstance(e.get(key), (int, float))]
-        return round(statistics.median(values)) if values else None
+        return round(statistics.median(values), digits) if values else None
 
     window = next((e for e in reversed(events) if e.get("type") == "window"), {})
     wall = (finished["t"] - started["t"]) if finished.get("t") and started.get("t") else None
     return {"job_seconds": round(wall, 1) if wall else None, "capture_tok_s_median": med("capture_tokens_per_s"),
             "train_tok_s_median": med("train_tokens_per_s"), "progress_events": len(progress),
+            # CPU s per wall s of the producer's threads inside the trainer (they share its GIL)
+            "producer_cpu_median": med("producer_cpu", 3), "producer_cpu_s": window.get("producer_cpu_s"),
             "window_peak_reserved": window.get("window_peak"), "captured": window.get("captured"),
             "epoch_tokens": started.get("epoch_tokens"), "offline_bytes": started.get("offline_bytes"),
             "eval_kept": started.get("eval_kept"), "held_out": started.get("held_out")}

@@ -119,6 +119,11 @@ def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online
     streamed = {json.loads(line)["id"] for line in (ws.drafter_dir / LEDGER).read_text().splitlines()}
     assert not streamed & kept_train  # a kept sample is captured once and read from disk by every epoch
     assert 0 < sampler.peak <= budget
+    # The producer's threads are metered: CPU per wall second on the progress lines, the total at the end.
+    window_lines = [e for e in second if e.get("type") == "progress" and "window_budget" in e]
+    assert window_lines and all(e["producer_cpu"] >= 0 for e in window_lines)
+    end = [e for e in second if e.get("type") == "window" and "window_peak" in e][-1]
+    assert end["producer_cpu_s"] > 0, end
 
 
 @pytest.mark.parametrize("online_ws", ["64m"], indirect=True)
@@ -148,7 +153,8 @@ def test_the_server_keeps_its_requests_while_online_records_are_written(online_w
                 record = data.load(entry)
                 assert record["hidden_state"].shape[0] == entry.tokens
     finally:
-        data.close()
+        end = data.close()
+    assert end["producer_cpu_s"] > 0 and data.producer_cpu > 0  # requests and writes cost this process CPU
     assert slots.writes == 2 * steps, slots
     assert slots.most == concurrency, slots
     # Never, had a writing worker kept its slot; the last writes find nothing left to send.

@@ -360,8 +360,7 @@ def online_line(p: Progress) -> str:
     capture, train = finite(p.capture_tokens_per_s), finite(p.train_tokens_per_s)
     rates = f"capture {fmt_count(capture)} vs trainer {fmt_count(train)} tok/s"
     if capture and train:
-        slower = "capture" if capture < train else "trainer"
-        rates += f" ([$warning]{slower}[/] sets the pace)"
+        rates += f" ([$warning]{pace_setter(p, capture, train)}[/] sets the pace)"
     window = ""
     if p.window_budget:
         used = p.window_bytes or 0
@@ -370,6 +369,15 @@ def online_line(p: Progress) -> str:
         if p.window_peak:
             window += f" (peak {fmt_bytes(p.window_peak)})"
     return " · ".join(part for part in (epoch, rates, window) if part)
+
+
+def pace_setter(p: Progress, capture: float, train: float) -> str:
+    """The side that limits an online run. Rates apart by more than a tenth say it; at one pace (the
+    steady state: what is captured is what is trained) the window does: full, the producer is waiting
+    for room, so the trainer sets the pace; not full, the trainer is waiting for captures."""
+    if abs(capture - train) > 0.1 * max(capture, train) or not p.window_budget:
+        return "capture" if capture < train else "trainer"
+    return "trainer" if (p.window_bytes or 0) >= 0.8 * p.window_budget else "capture"
 
 
 def _sci(value) -> str:

@@ -113,6 +113,7 @@ class Progress(JobEvent):
     window_budget: int | None = None
     window_peak: int | None = None
     captured: int | None = None
+    producer_cpu: float | None = None  # CPU s per wall s of the capture producer's threads in the trainer
     # evaluation
     acceptance_length: float | None = None
     speedup: float | None = None
@@ -344,6 +345,7 @@ class Window(JobEvent):
     window_budget: int | None = None
     window_peak: int | None = None
     captured: int | None = None
+    producer_cpu_s: float | None = None  # CPU seconds of the producer's threads in the trainer's process
 
 
 @dataclass(frozen=True, kw_only=True)

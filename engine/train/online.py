@@ -159,7 +159,11 @@ class OnlineData(RecordData):
         self._seq = 0
         self.captured = self.captured_tokens = 0
         self.consumed_tokens = 0
-        self._rate_mark = (time.monotonic(), 0, 0)
+        # CPU seconds the producer's threads spent in this process (the event loop: requests and dispatch;
+        # the writers: records): what it takes from the training loop, which shares the GIL with it.
+        self.producer_cpu = 0.0
+        self._cpu_lock = threading.Lock()
+        self._rate_mark = (time.monotonic(), 0, 0, 0.0)
         self.keep_budget = 0
         self._rate: float | None = None  # the last capture rate measured in this workspace (tok/s), for the plan
         self.keep_used = 0  # bytes of training records kept or being kept (hybrid), decided in step order
@@ -342,6 +346,7 @@ class OnlineData(RecordData):
                     return
 
         workers = [asyncio.create_task(worker()) for _ in range(self._workers())]
+        meter = asyncio.create_task(self._meter_loop_cpu())
         try:
             for entry in self.own_eval:
                 if entry.id not in self.kept:
@@ -368,12 +373,29 @@ class OnlineData(RecordData):
                         await asyncio.sleep(0.02)
             await asyncio.gather(*workers)
         finally:
+            meter.cancel()
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             await asyncio.to_thread(writes.shutdown, True)  # the writes under way end before the window closes
             for _, client in clients:
                 await client.aclose()
+
+    def _charge_cpu(self, seconds: float) -> None:
+        with self._cpu_lock:
+            self.producer_cpu += max(0.0, seconds)
+
+    async def _meter_loop_cpu(self) -> None:
+        """Charge the event loop thread's CPU time to the producer, four times a second."""
+        last = time.thread_time()
+        try:
+            while True:
+                await asyncio.sleep(0.25)
+                now = time.thread_time()
+                self._charge_cpu(now - last)
+                last = now
+        finally:  # cancelled when the producer ends
+            self._charge_cpu(time.thread_time() - last)
 
     def _refresh_peers(self) -> None:
         """Hybrid on several ranks: the training records the other ranks have kept so far (their manifests,
@@ -460,6 +482,13 @@ class OnlineData(RecordData):
 
     def _store(self, extractor, job: _Job, rid: str) -> None:
         """Stream the capture into its record: kept/ durably with a manifest line, stream/ without fsync."""
+        started = time.thread_time()
+        try:
+            self._write_record(extractor, job, rid)
+        finally:
+            self._charge_cpu(time.thread_time() - started)
+
+    def _write_record(self, extractor, job: _Job, rid: str) -> None:
         sample, h = job.sample, self.hidden_size
         if job.keep:
             entry = extractor.write_capture(sample, rid, h, self.kept_dir, sample.index, sample.id)
@@ -552,16 +581,17 @@ class OnlineData(RecordData):
         """Producer (capture) and consumer (trainer) rates since the last call, window fill, epoch position:
         over every rank once the trainer has set `totals` (each peak summed: a bound of the total's)."""
         now = time.monotonic()
-        then, captured, consumed = self._rate_mark
+        then, captured, consumed, cpu = self._rate_mark
         elapsed = max(now - then, 1e-9)
         fig = self._figures()
-        self._rate_mark = (now, int(fig["captured_tokens"]), int(fig["consumed_tokens"]))
+        self._rate_mark = (now, int(fig["captured_tokens"]), int(fig["consumed_tokens"]), self.producer_cpu)
         epoch, index = divmod(step, steps_per_epoch)
         return {"mode": self.mode, "epoch": epoch + 1, "epoch_step": index, "steps_per_epoch": steps_per_epoch,
                 "capture_tokens_per_s": round((fig["captured_tokens"] - captured) / elapsed, 1),
                 "train_tokens_per_s": round((fig["consumed_tokens"] - consumed) / elapsed, 1),
                 "window_bytes": int(fig["window_bytes"]), "window_budget": int(fig["window_budget"]),
-                "window_peak": int(fig["window_peak"]), "captured": int(fig["captured"])}
+                "window_peak": int(fig["window_peak"]), "captured": int(fig["captured"]),
+                "producer_cpu": round((self.producer_cpu - cpu) / elapsed, 3)}  # this rank's
 
     def close(self) -> dict[str, Any]:
         """Stop capturing, empty stream/ (kept/ stays); what the window held at most."""
@@ -574,7 +604,7 @@ class OnlineData(RecordData):
         shutil.rmtree(self.stream_dir, ignore_errors=True)
         fig = self._figures()
         end = {"window_peak": int(fig["window_peak"]), "window_budget": int(fig["window_budget"]),
-               "captured": int(fig["captured"])}
+               "captured": int(fig["captured"]), "producer_cpu_s": round(self.producer_cpu, 2)}
         if self._thread is not None and self.rank == 0:
             note = {**self.plan_fields(), **end, "t": time.time()}
             try:
