@@ -102,6 +102,8 @@ def job_rate(events: list[dict], tokens_per_step: float | None = None) -> dict[s
             "train_tok_s_median": med("train_tokens_per_s"), "progress_events": len(progress),
             # CPU s per wall s of the producer's threads inside the trainer (they share its GIL)
             "producer_cpu_median": med("producer_cpu", 3), "producer_cpu_s": window.get("producer_cpu_s"),
+            # the same of the capture process, outside the trainer (requests, spool reads, record writes)
+            "capture_cpu_median": med("capture_cpu", 3), "capture_cpu_s": window.get("capture_cpu_s"),
             "window_peak_reserved": window.get("window_peak"), "captured": window.get("captured"),
             "epoch_tokens": started.get("epoch_tokens"), "offline_bytes": started.get("offline_bytes"),
             "eval_kept": started.get("eval_kept"), "held_out": started.get("held_out")}

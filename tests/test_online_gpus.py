@@ -106,7 +106,7 @@ def test_two_ranks_in_hybrid_mode_each_keep_their_own_samples_within_their_share
         events: list[dict] = []
         with WindowSampler(root) as sampler:
             info = follow(jobs, start_training(ws, jobs).id, events)
-        assert info.state == "succeeded", jobs.tail(info.id, 30)
+        assert info.state == "succeeded", "\n".join(jobs.tail(info.id, 60))
 
     started = next(e for e in events if e.get("type") == "started")
     assert started["mode"] == "hybrid" and started["world"] == 2 and started["keep_budget"] > 0

@@ -114,6 +114,7 @@ class Progress(JobEvent):
     window_peak: int | None = None
     captured: int | None = None
     producer_cpu: float | None = None  # CPU s per wall s of the capture producer's threads in the trainer
+    capture_cpu: float | None = None  # CPU s per wall s of online training's capture process
     # evaluation
     acceptance_length: float | None = None
     speedup: float | None = None
@@ -346,6 +347,7 @@ class Window(JobEvent):
     window_peak: int | None = None
     captured: int | None = None
     producer_cpu_s: float | None = None  # CPU seconds of the producer's threads in the trainer's process
+    capture_cpu_s: float | None = None  # CPU seconds of the capture process
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,8 @@ accepts the pid only when the live process has the same create time.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 
 import psutil
 
@@ -83,3 +85,20 @@ def current_process_identity() -> tuple[int, float | None, int | None]:
     """(pid, create_time, start_ticks) of the calling process, for recording."""
     pid = os.getpid()
     return pid, process_create_time(pid), process_start_ticks(pid)
+
+
+def die_with_parent() -> bool:
+    """Have the kernel SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG): a torchrun rank
+    when torchrun goes, online training's capture process when its trainer goes; otherwise a kill -9 of
+    the parent leaves them working on, holding locks and writing, with no job to show or stop them.
+    Linux only; False where it cannot be set. The signal fires when the thread that started this process
+    ends, so the parent starts it from a thread that lives as long as it is needed."""
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False

@@ -24,6 +24,7 @@ import torch
 
 from engine.io import atomic
 from engine.io.jsonl import dumps_line
+from engine.system.procinfo import die_with_parent
 from engine.model.target import TargetError, plan_target, sglang_layer_ids
 from engine.train import checkpoint as ckpt
 from engine.train.data import BatchPrefetcher, RecordData, Teacher, TrainDataError
@@ -137,7 +138,7 @@ class Trainer:
         from engine.records import RecordError
 
         if self.world > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
-            die_with_launcher()
+            die_with_parent()  # each rank has a session of its own: without this it outlives a killed torchrun
         if self.world > 1 and not torch.distributed.is_initialized():
             torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         if self.device.type == "cuda":
@@ -631,23 +632,6 @@ class Trainer:
         self.event("finished", step=self.step, export=str(path), best_sim_al=self.best_sim_al,
                    best_step=(marker or {}).get("step"), **({"best_rejected": rejected} if rejected else {}))
         return path
-
-
-def die_with_launcher() -> bool:
-    """A torchrun rank dies (SIGKILL) when torchrun does. torchrun starts each rank in a session of its
-    own, so a kill -9 of the training job (torchrun) would leave the ranks training on, holding the
-    drafter's lock and writing checkpoints, with no job to show or stop them; dead, they resume from the
-    checkpoint like any crash. Linux only (prctl PR_SET_PDEATHSIG); False where it cannot be set."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return False
 
 
 def install_stop_handler(trainer: Trainer) -> None:

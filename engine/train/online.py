@@ -1,13 +1,15 @@
 """Online and hybrid training data: states captured from the running server while training.
 
 `OnlineData` stands where `RecordData` stands in the trainer (same split, same epoch order, same
-batches per step), but its records do not come from an extraction run. A producer thread sends
-each sample of the steps ahead to the server through the extraction's own capture path
-(engine.extract.job.Extractor: request with a client-chosen rid, stitched spool segments, the same
-checks) and streams it into a record in the window directory, `<extract.output_dir>/window/<train.run>/`,
-as the extraction job does (Extractor.write_capture: chunk by chunk from the spool, finite-checked and
-hashed on the way, no tensors built). The write happens after the request has given its slot back, so the
-server keeps `extract.concurrency` requests per endpoint while records are written. The trainer reads each record when its batch is built and
+batches per step), but its records do not come from an extraction run. A producer thread decides, in
+step order, which samples of the steps ahead are captured and reserves their bytes in the window; a
+capture process of the trainer's own (engine.train.capture_process) sends them to the server through
+the extraction's own capture path (engine.extract.job.Extractor: request with a client-chosen rid,
+stitched spool segments, the same checks) and streams each into a record in the window directory,
+`<extract.output_dir>/window/<train.run>/`, as the extraction job does (Extractor.write_capture: chunk by
+chunk from the spool, finite-checked and hashed on the way, no tensors built), after the request has
+given its slot back. That work costs CPU per capture; in the trainer's process it shared the GIL with
+the training loop. The trainer reads each record when its batch is built and
 deletes it at once; the next epoch captures it again. The bytes in the window never exceed
 `train.window_gb` (engine.train.window): the producer waits when it is full, except that one batch
 always fits (a batch larger than the whole window trains alone).
@@ -47,18 +49,17 @@ order and the budget by tickets, the records in Mooncake Store or on a shared fi
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import json
 import os
 import shutil
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import psutil
 
 from engine.io import atomic
 from engine.system.disk import bytes_per_token
@@ -66,12 +67,12 @@ from engine.errors import EngineError
 from engine.records import (
     RecordEntry,
     RecordError,
-    append_manifest,
     load_record,
     read_manifest,
     read_run_meta,
     write_run_meta,
 )
+from engine.train.capture_process import EXIT_TIMEOUT_S, CaptureProcess, CaptureSpec, Order
 from engine.train.data import RecordData, TrainDataError, is_eval
 from engine.train.window import (
     Window,
@@ -110,6 +111,19 @@ class _Job:
     nbytes: int
     keep: bool
     seq: int  # unique per capture in this session: its rid and file name
+
+
+class _ThreadMeter:
+    """Charges the CPU time of the thread it was made in to the producer, at each tick."""
+
+    def __init__(self, data: "OnlineData"):
+        self.data = data
+        self.last = time.thread_time()
+
+    def tick(self) -> None:
+        now = time.thread_time()
+        self.data._charge_cpu(now - self.last)
+        self.last = now
 
 
 class OnlineData(RecordData):
@@ -159,11 +173,15 @@ class OnlineData(RecordData):
         self._seq = 0
         self.captured = self.captured_tokens = 0
         self.consumed_tokens = 0
-        # CPU seconds the producer's threads spent in this process (the event loop: requests and dispatch;
-        # the writers: records): what it takes from the training loop, which shares the GIL with it.
+        # CPU seconds the producer's threads spent in this process (dispatch, and filing the capture
+        # process's answers): what it takes from the training loop, which shares the GIL with it. The
+        # captures themselves cost the capture process (capture_cpu), outside it.
         self.producer_cpu = 0.0
+        self._capture: CaptureProcess | None = None
+        self._capture_cpu = 0.0
+        self._pending: dict[int, _Job] = {}  # ordered, not yet answered, by seq
         self._cpu_lock = threading.Lock()
-        self._rate_mark = (time.monotonic(), 0, 0, 0.0)
+        self._rate_mark = (time.monotonic(), 0, 0, 0.0, 0.0)
         self.keep_budget = 0
         self._rate: float | None = None  # the last capture rate measured in this workspace (tok/s), for the plan
         self.keep_used = 0  # bytes of training records kept or being kept (hybrid), decided in step order
@@ -291,12 +309,17 @@ class OnlineData(RecordData):
 
     # ------------------------------------------------------------------ producer
     def _thread_main(self, batch_entries, first_step: int, limit: int) -> None:
+        meter = _ThreadMeter(self)
         try:
-            asyncio.run(self._produce(batch_entries, first_step, limit))
+            self._produce(batch_entries, first_step, limit, meter)
         except WindowClosed:
             pass
+        except EngineError as exc:
+            self._fail(str(exc))
         except BaseException as exc:  # the trainer raises it at the batch that waits for it
             self._fail(f"online capture stopped: {type(exc).__name__}: {exc}")
+        finally:
+            meter.tick()
 
     def _fail(self, message: str) -> None:
         with self._cond:
@@ -311,91 +334,65 @@ class OnlineData(RecordData):
         # for must still arrive. close() stops the producer.
         return self._closed or self._error is not None
 
-    async def _produce(self, batch_entries, first_step: int, limit: int) -> None:
-        from engine.client import ServerClient
-        from engine.extract.guard import ExtractionRefused
-        from engine.extract.job import Extractor
-        from engine.extract.layout import SPOOL_SESSIONS
-
-        extractor = Extractor(self.ws, self.ctx)
-        extractor.run_dir = self.dir  # its spool sessions are recorded here, so the next start frees them
+    def _produce(self, batch_entries, first_step: int, limit: int, meter: "_ThreadMeter") -> None:
+        """Decide, in step order, what is captured and reserve its bytes; the capture process does the rest
+        (engine.train.capture_process) and the receiver thread files what it answers."""
+        capture = CaptureProcess(CaptureSpec(
+            root=str(self.ws.root), rank=self.rank, hidden_size=self.hidden_size, window_dir=str(self.dir),
+            stream_dir=str(self.stream_dir), kept_dir=str(self.kept_dir),
+            job_dir=str(self.ctx.job_dir) if self.ctx is not None else None, workers=self._workers(),
+            parent_pid=os.getpid()))
+        self._capture = capture
         try:
-            await extractor.check_server()
-        except ExtractionRefused as exc:
-            raise OnlineError(str(exc).replace("start the extraction again", "start training again")) from None
-        extractor.spool.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(extractor.release_stale_spool)
-        atomic.append_line(self.dir / SPOOL_SESSIONS, extractor.tag)
-        clients = [(url, ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=600))
-                   for url in extractor.endpoints()]
-        load = [0] * len(clients)
-        slots = asyncio.Semaphore(self.cfg.extract.concurrency * len(clients))
-        writes = ThreadPoolExecutor(max_workers=self._workers(), thread_name_prefix="online-writer")
-        jobs: asyncio.Queue[_Job | None] = asyncio.Queue(maxsize=self.cfg.extract.concurrency * len(clients))
-
-        async def worker() -> None:
-            while True:
-                job = await jobs.get()
-                if job is None or self.stopping:
-                    return
-                try:
-                    await self._capture(extractor, clients, load, slots, writes, job)
-                except Exception as exc:  # at once: the dispatcher and the waiting trainer stop on it
-                    self._fail(str(exc) if isinstance(exc, EngineError) else
-                               f"online capture stopped: {type(exc).__name__}: {exc}")
-                    return
-
-        workers = [asyncio.create_task(worker()) for _ in range(self._workers())]
-        meter = asyncio.create_task(self._meter_loop_cpu())
-        try:
-            for entry in self.own_eval:
-                if entry.id not in self.kept:
-                    await self._dispatch(jobs, entry, -1, keep=True)
-            for step in range(first_step, limit):
-                self._refresh_peers()
-                for entry in batch_entries(step):
-                    if entry.id in self.kept or entry.id in self._keeping:
-                        continue  # read from kept/ (hybrid), captured once
-                    if entry.id in self.peer_kept:  # another rank kept it: read from there, in this order
-                        self._queue_peer(entry.id, step)
-                        continue
-                    keep = self.mode == "hybrid" and self.keep_used + entry.bytes <= self.keep_budget
-                    if keep:
-                        self.keep_used += entry.bytes
-                    if not await self._dispatch(jobs, entry, step, keep):
+            capture.start()
+            receiver = threading.Thread(target=self._receive, args=(capture,), name="online-receive", daemon=True)
+            receiver.start()
+            try:
+                for entry in self.own_eval:
+                    if entry.id not in self.kept and not self._dispatch(capture, entry, -1, True, meter):
                         return
-            for _ in workers:
-                while not self.stopping:
-                    try:
-                        jobs.put_nowait(None)
-                        break
-                    except asyncio.QueueFull:
-                        await asyncio.sleep(0.02)
-            await asyncio.gather(*workers)
+                for step in range(first_step, limit):
+                    self._refresh_peers()
+                    for entry in batch_entries(step):
+                        if entry.id in self.kept or entry.id in self._keeping:
+                            continue  # read from kept/ (hybrid), captured once
+                        if entry.id in self.peer_kept:  # another rank kept it: read from there, in this order
+                            self._queue_peer(entry.id, step)
+                            continue
+                        keep = self.mode == "hybrid" and self.keep_used + entry.bytes <= self.keep_budget
+                        if keep:
+                            self.keep_used += entry.bytes
+                        if not self._dispatch(capture, entry, step, keep, meter):
+                            return
+                capture.end()
+                while receiver.is_alive() and not self.stopping:
+                    receiver.join(0.5)
+            finally:
+                capture.stop()  # the writes under way end before the window closes
+                receiver.join(EXIT_TIMEOUT_S)
         finally:
-            meter.cancel()
-            for task in workers:
-                task.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-            await asyncio.to_thread(writes.shutdown, True)  # the writes under way end before the window closes
-            for _, client in clients:
-                await client.aclose()
+            capture.close()
 
     def _charge_cpu(self, seconds: float) -> None:
         with self._cpu_lock:
             self.producer_cpu += max(0.0, seconds)
 
-    async def _meter_loop_cpu(self) -> None:
-        """Charge the event loop thread's CPU time to the producer, four times a second."""
-        last = time.thread_time()
-        try:
-            while True:
-                await asyncio.sleep(0.25)
-                now = time.thread_time()
-                self._charge_cpu(now - last)
-                last = now
-        finally:  # cancelled when the producer ends
-            self._charge_cpu(time.thread_time() - last)
+    @property
+    def capture_pid(self) -> int | None:
+        """The capture process's pid, once started."""
+        return self._capture.pid if self._capture is not None else None
+
+    def capture_cpu(self) -> float:
+        """CPU seconds the capture process has used so far (its own, outside the trainer's process)."""
+        pid = self.capture_pid
+        if pid is not None:
+            try:
+                times = psutil.Process(pid).cpu_times()
+                self._capture_cpu = max(self._capture_cpu, times.user + times.system)
+            except psutil.Error:
+                pass
+        return self._capture_cpu
+
 
     def _refresh_peers(self) -> None:
         """Hybrid on several ranks: the training records the other ranks have kept so far (their manifests,
@@ -420,84 +417,49 @@ class OnlineData(RecordData):
             self._ready.setdefault(sample_id, deque()).append(_Ready(entry, 0, step, peer_dir=peer))
             self._cond.notify_all()
 
-    async def _dispatch(self, jobs, entry: RecordEntry, step: int, keep: bool) -> bool:
-        """Reserve the record's bytes (waiting while the window is full), then queue its capture."""
+    def _dispatch(self, capture: CaptureProcess, entry: RecordEntry, step: int, keep: bool,
+                  meter: "_ThreadMeter") -> bool:
+        """Reserve the record's bytes (waiting while the window is full), then order its capture."""
         slot = step if step >= 0 else -1
-        while not await asyncio.to_thread(self.window.reserve, entry.bytes, slot, 0.5):
+        while not self.window.reserve(entry.bytes, slot, 0.5):
             if self.stopping:
                 return False
         if keep:
             self._keeping.add(entry.id)
         self._seq += 1
         job = _Job(self.samples[entry.id], step, entry.bytes, keep, self._seq)
-        while not self.stopping:  # never blocks for good: the workers may have stopped on an error
-            try:
-                jobs.put_nowait(job)
-                return True
-            except asyncio.QueueFull:
-                await asyncio.sleep(0.02)
-        return False
+        with self._cond:
+            self._pending[job.seq] = job
+        capture.order(Order(job.seq, job.sample, keep))
+        meter.tick()
+        return True
 
-    async def _capture(self, extractor, clients, load: list[int], slots: asyncio.Semaphore,
-                       writes: ThreadPoolExecutor, job: _Job) -> None:
-        from engine.extract.job import Outage, SampleFailed
-
-        retries = self.cfg.extract.max_retries
-        attempt = 0
-        loop = asyncio.get_running_loop()
-        while not self.stopping:
-            i = 0
-            try:
-                async with slots:  # extract.concurrency requests per endpoint, as the extraction job
-                    i = min(range(len(clients)), key=lambda k: load[k])
-                    load[i] += 1
-                    try:
-                        # rid x<index>-<tag>-a<n>: n unique per capture of this session, so two captures of one
-                        # sample (consecutive epochs) never share spool segments (max_retries <= 1000 < 10,000)
-                        rid = await extractor.request(clients[i][1], job.sample, job.seq * 10_000 + attempt)
-                    finally:
-                        load[i] -= 1
-                # Written after the slot is given back: the next request is at the server meanwhile.
-                await loop.run_in_executor(writes, self._store, extractor, job, rid)
-                return
-            except Outage:
-                await extractor.wait_for_server(clients[i][0], primary=(i == 0 and self.rank == 0))
-                await asyncio.sleep(0.5)  # it returns at once when a stop is asked: no busy loop
-            except (SampleFailed, RecordError) as exc:
-                attempt += 1
-                if attempt > retries:
-                    raise OnlineError(f"sample {job.sample.id} could not be captured in {attempt} attempts: {exc}; "
-                                      "check the `capture` stage (`eagle3-console check capture`), fix what it "
-                                      "names, then start training again: it resumes from its checkpoint") from None
-                self._event("retry", id=job.sample.id, attempt=attempt, reason=str(exc))
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                # Not a pause, as in the extraction: what fills the disk may be the window's own records of
-                # later steps, which only the trainer's progress frees, and it waits for this one.
-                where = self.kept_dir if job.keep else self.stream_dir
-                raise OnlineError(f"disk full while writing the online window in {where} ({exc.strerror}): free "
-                                  "space on that disk or lower train.window_gb (`eagle3-console check disk` shows "
-                                  "what fits), then start training again: it resumes from its checkpoint") from None
-
-    def _store(self, extractor, job: _Job, rid: str) -> None:
-        """Stream the capture into its record: kept/ durably with a manifest line, stream/ without fsync."""
-        started = time.thread_time()
+    def _receive(self, capture: CaptureProcess) -> None:
+        """File the capture process's answers until it exits; an exit nobody asked for fails the run."""
+        meter = _ThreadMeter(self)
         try:
-            self._write_record(extractor, job, rid)
+            for message in capture.messages():
+                if message[0] == "stored":
+                    self._stored(self._pending.pop(message[1]), message[2])
+                elif message[0] == "failed":
+                    self._fail(message[1])
+                elif message[0] == "ended":
+                    self._capture_cpu = max(self._capture_cpu, float(message[1]))
+                    return
+                meter.tick()
+            if not self.stopping:
+                self._fail(f"online capture stopped: the capture process ended ({capture.exit_text()}) with captures "
+                           "still to make; its error is in the job log. Start training again: it resumes from its "
+                           "checkpoint")
         finally:
-            self._charge_cpu(time.thread_time() - started)
+            meter.tick()
 
-    def _write_record(self, extractor, job: _Job, rid: str) -> None:
-        sample, h = job.sample, self.hidden_size
-        if job.keep:
-            entry = extractor.write_capture(sample, rid, h, self.kept_dir, sample.index, sample.id)
-            append_manifest(self.kept_dir, entry)
-        else:
-            entry = extractor.write_capture(sample, rid, h, self.stream_dir, job.seq, f"s{job.seq}", durable=False)
+    def _stored(self, job: _Job, entry: RecordEntry) -> None:
+        """A record is on disk (stream/, or kept/ with its manifest line)."""
         if entry.bytes > job.nbytes:  # record_bytes is an upper bound: a bug if not
-            raise OnlineError(f"record of {sample.id} is {entry.bytes} bytes, {job.nbytes} were reserved; "
-                              "report a bug")
+            self._fail(f"record of {job.sample.id} is {entry.bytes} bytes, {job.nbytes} were reserved; report a bug")
+            return
+        sample = job.sample
         with self._cond:
             self.captured += 1
             self.captured_tokens += entry.tokens
@@ -508,6 +470,7 @@ class OnlineData(RecordData):
             else:
                 self._ready.setdefault(sample.id, deque()).append(_Ready(entry, job.nbytes, job.step))
             self._cond.notify_all()
+
 
     # ------------------------------------------------------------------ consumer
     def load(self, entry: RecordEntry) -> dict:
@@ -581,30 +544,35 @@ class OnlineData(RecordData):
         """Producer (capture) and consumer (trainer) rates since the last call, window fill, epoch position:
         over every rank once the trainer has set `totals` (each peak summed: a bound of the total's)."""
         now = time.monotonic()
-        then, captured, consumed, cpu = self._rate_mark
+        then, captured, consumed, cpu, capture_cpu = self._rate_mark
         elapsed = max(now - then, 1e-9)
         fig = self._figures()
-        self._rate_mark = (now, int(fig["captured_tokens"]), int(fig["consumed_tokens"]), self.producer_cpu)
+        now_capture_cpu = self.capture_cpu()
+        self._rate_mark = (now, int(fig["captured_tokens"]), int(fig["consumed_tokens"]), self.producer_cpu,
+                           now_capture_cpu)
         epoch, index = divmod(step, steps_per_epoch)
         return {"mode": self.mode, "epoch": epoch + 1, "epoch_step": index, "steps_per_epoch": steps_per_epoch,
                 "capture_tokens_per_s": round((fig["captured_tokens"] - captured) / elapsed, 1),
                 "train_tokens_per_s": round((fig["consumed_tokens"] - consumed) / elapsed, 1),
                 "window_bytes": int(fig["window_bytes"]), "window_budget": int(fig["window_budget"]),
                 "window_peak": int(fig["window_peak"]), "captured": int(fig["captured"]),
-                "producer_cpu": round((self.producer_cpu - cpu) / elapsed, 3)}  # this rank's
+                "producer_cpu": round((self.producer_cpu - cpu) / elapsed, 3),  # this rank's, in the trainer
+                "capture_cpu": round((now_capture_cpu - capture_cpu) / elapsed, 3)}  # its capture process
 
     def close(self) -> dict[str, Any]:
         """Stop capturing, empty stream/ (kept/ stays); what the window held at most."""
+        self.capture_cpu()  # while its process still runs
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self.window.close()
         if self._thread is not None:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=2 * EXIT_TIMEOUT_S + 5)
         shutil.rmtree(self.stream_dir, ignore_errors=True)
         fig = self._figures()
         end = {"window_peak": int(fig["window_peak"]), "window_budget": int(fig["window_budget"]),
-               "captured": int(fig["captured"]), "producer_cpu_s": round(self.producer_cpu, 2)}
+               "captured": int(fig["captured"]), "producer_cpu_s": round(self.producer_cpu, 2),
+               "capture_cpu_s": round(self._capture_cpu, 2)}
         if self._thread is not None and self.rank == 0:
             note = {**self.plan_fields(), **end, "t": time.time()}
             try:
