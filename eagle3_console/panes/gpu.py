@@ -111,7 +111,11 @@ def nccl_lines(preset: str, disable_nvls: bool, suggested: str | None) -> list[s
 
 class GpuScroll(VerticalScroll):
     BINDINGS = scroll_bindings()
-    DEFAULT_CSS = "GpuScroll { height: 1fr; } GpuScroll:focus { background-tint: $foreground 5%; }"
+    # The GPU and process rows never wrap (a wrapped row would change the height, hence the scrollbar,
+    # hence the width the rows are cut to, and a frame could keep the wrapped height): a line longer
+    # than the width ends in an ellipsis.
+    DEFAULT_CSS = ("GpuScroll { height: 1fr; } GpuScroll:focus { background-tint: $foreground 5%; } "
+                   "GpuScroll > #gpu-table, GpuScroll > #gpu-procs { text-wrap: nowrap; text-overflow: ellipsis; }")
 
 
 class GpuProcessesRead(Message, bubble=False):
