@@ -4,6 +4,8 @@ Record keys (and their meaning) are those of SpecForge's offline EAGLE-3 feature
   input_ids int64 [T], loss_mask int64 [T] (1 on assistant tokens),
   aux_hidden_state bf16 [T, 3H] (outputs of the three capture layers, low -> high),
   hidden_state bf16 [T, H] (post-final-norm state feeding the LM head). No padding.
+With `extract.aux_format = "fp8"` aux_hidden_state is float8 e4m3 beside aux_scale float32 [T, 3]
+(engine.aux_fp8); load_record returns it as bf16, so readers see the same keys either way.
 SpecForge cannot read these files as they are: its offline trainer reads torch.save'd dicts in
 `*.ckpt` files with the states shaped [1, T, .]. `eagle3-console data export RUN --format specforge
 DIR` (engine/specforge_export.py) writes those; tests/test_specforge_export.py loads them with
@@ -111,27 +113,36 @@ def record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state) -> dict
 
 RECORD_METADATA = {"format": "eagle3-console", "version": str(FORMAT_VERSION)}
 CHUNK = 4 << 20  # bytes checked, hashed and written at a time: a chunk stays in the CPU cache for all three
-# A record's tensors in file order: name, safetensors dtype, bytes per element, width in hidden sizes (0: [T]).
-_LAYOUT = (("input_ids", "I64", 8, 0), ("loss_mask", "I64", 8, 0), ("aux_hidden_state", "BF16", 2, 3),
-           ("hidden_state", "BF16", 2, 1))
+AUX_FORMATS = ("bf16", "fp8")  # how the aux states are stored (engine.aux_fp8 for fp8); readers get bf16
 
 # Where a record's bytes come from: a bytes-like object, or (fd, offset, length) of an open file.
 Source = Any
 
 
-def record_header(tokens: int, hidden_size: int) -> bytes:
+def _layout(tokens: int, hidden_size: int, aux_format: str) -> list[tuple[str, str, list[int], int]]:
+    """A record's tensors in file order: (name, safetensors dtype, shape, bytes). fp8's scales come
+    before its states, where float32 stays 4-byte aligned."""
+    t, h = tokens, hidden_size
+    if aux_format == "bf16":
+        aux = [("aux_hidden_state", "BF16", [t, 3 * h], t * 3 * h * 2)]
+    elif aux_format == "fp8":
+        aux = [("aux_scale", "F32", [t, 3], t * 12), ("aux_hidden_state", "F8_E4M3", [t, 3 * h], t * 3 * h)]
+    else:
+        raise RecordError(f"aux format {aux_format!r} is not one of {', '.join(AUX_FORMATS)}")
+    return [("input_ids", "I64", [t], t * 8), ("loss_mask", "I64", [t], t * 8), *aux,
+            ("hidden_state", "BF16", [t, h], t * h * 2)]
+
+
+def record_header(tokens: int, hidden_size: int, aux_format: str = "bf16") -> bytes:
     """The safetensors header of a record of `tokens` tokens, built by hand so that the states can
     be streamed into the file without building tensors first."""
-    entries = []
-    for name, dtype, size, width in _LAYOUT:
-        shape = [tokens, width * hidden_size] if width else [tokens]
-        entries.append((name, dtype, shape, tokens * (width * hidden_size if width else 1) * size))
-    return stfile.header(entries, RECORD_METADATA)
+    return stfile.header(_layout(tokens, hidden_size, aux_format), RECORD_METADATA)
 
 
-def record_size(tokens: int, hidden_size: int) -> int:
-    """Bytes of a record file: header and the four tensors."""
-    return len(record_header(tokens, hidden_size)) + tokens * (16 + 8 * hidden_size)
+def record_size(tokens: int, hidden_size: int, aux_format: str = "bf16") -> int:
+    """Bytes of a record file: header and tensors."""
+    return len(record_header(tokens, hidden_size, aux_format)) + sum(
+        nbytes for *_, nbytes in _layout(tokens, hidden_size, aux_format))
 
 
 def _chunks(source: Source, scratch: bytearray) -> Iterator[memoryview]:
@@ -183,33 +194,54 @@ def _bf16_finite(chunk: memoryview) -> bool:
     return int(torch.bitwise_and(bits, 0x7F80).max()) != 0x7F80
 
 
+def _f32_finite(chunk: memoryview) -> bool:
+    import torch
+
+    if len(chunk) < 4:
+        return True
+    values = torch.frombuffer(chunk, dtype=torch.float32)
+    return bool(torch.isfinite(torch.stack([values.amax(), values.amin()])).all())
+
+
 def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: bytes | memoryview,
                         loss_mask: bytes | memoryview,
                         aux_sources: list[Source], hidden_sources: list[Source], hidden_size: int,
-                        sync_dir: bool = True, durable: bool = True) -> RecordEntry:
+                        sync_dir: bool = True, durable: bool = True, aux_format: str = "bf16",
+                        aux_scale: bytes | memoryview | None = None) -> RecordEntry:
     """Write a record from its parts and return its manifest entry (not yet appended).
 
     `input_ids` and `loss_mask` are little-endian int64 bytes; the states' sources hold bf16 rows,
-    concatenated in order (the segments of a chunked prefill). Each chunk is checked for NaN/inf,
-    hashed and written while it is in the cache: no tensors are built, nothing is read back. The
-    file is fsynced and renamed into place; its directory is fsynced too unless `sync_dir` is False
-    (a caller that commits several records under one directory fsync: `append_manifest_entries`).
-    `durable` False skips both fsyncs: for records that are thrown away, not trusted, after a crash.
-    RecordError on a non-finite value or a size that does not match the header (nothing is left behind)."""
+    concatenated in order (the segments of a chunked prefill); with `aux_format` "fp8" the aux sources
+    hold e4m3 rows and `aux_scale` their float32 [T, 3] scales (engine.aux_fp8.quantize_sources). Each
+    chunk is checked for NaN/inf, hashed and written while it is in the cache: no tensors are built,
+    nothing is read back. The file is fsynced and renamed into place; its directory is fsynced too
+    unless `sync_dir` is False (a caller that commits several records under one directory fsync:
+    `append_manifest_entries`). `durable` False skips both fsyncs: for records that are thrown away,
+    not trusted, after a crash. RecordError on a non-finite value or a size that does not match the
+    header (nothing is left behind)."""
+    from engine.aux_fp8 import nan_free
+
     tokens = len(input_ids) // 8
     if len(input_ids) != 8 * tokens or len(loss_mask) != len(input_ids):
         raise RecordError(f"input_ids ({len(input_ids)} bytes) and loss_mask ({len(loss_mask)} bytes) must be "
                           "int64 [T] each")
-    for name, sources, width in (("aux_hidden_state", aux_sources, 3), ("hidden_state", hidden_sources, 1)):
+    layout = {name: (dtype, shape, nbytes) for name, dtype, shape, nbytes in _layout(tokens, hidden_size, aux_format)}
+    parts: dict[str, list[Source]] = {"aux_hidden_state": aux_sources, "hidden_state": hidden_sources}
+    if aux_format == "fp8":
+        if aux_scale is None:
+            raise RecordError("fp8 aux states need their scales (aux_scale)")
+        parts["aux_scale"] = [aux_scale]
+    for name, sources in parts.items():
+        dtype, shape, nbytes = layout[name]
         got = sum(_source_len(s) for s in sources)
-        if got != tokens * width * hidden_size * 2:
-            raise RecordError(f"{name}: {got} bytes, a bf16 [{tokens}, {width * hidden_size}] needs "
-                              f"{tokens * width * hidden_size * 2}")
+        if got != nbytes:
+            raise RecordError(f"{name}: {got} bytes, a {dtype.lower()} {shape} needs {nbytes}")
+    finite = {"BF16": _bf16_finite, "F8_E4M3": nan_free, "F32": _f32_finite}
     rel = record_relpath(index, sample_id)
     path = Path(run_dir) / rel
-    header = record_header(tokens, hidden_size)
+    header = record_header(tokens, hidden_size, aux_format)
     digest = hashlib.sha256(header)
-    scratch = _scratch() if any(isinstance(s, tuple) for s in [*aux_sources, *hidden_sources]) else bytearray()
+    scratch = _scratch() if any(isinstance(s, tuple) for sources in parts.values() for s in sources) else bytearray()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -217,12 +249,16 @@ def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: by
         for data in (input_ids, loss_mask):
             digest.update(data)
             size += write_all(fd, data)
-        for source in [*aux_sources, *hidden_sources]:
-            for chunk in _chunks(source, scratch):
-                if not _bf16_finite(chunk):
-                    raise RecordError("non-finite values in the captured states")
-                digest.update(chunk)
-                size += write_all(fd, chunk)
+        for name in layout:
+            if name not in parts:
+                continue
+            check = finite[layout[name][0]]
+            for source in parts[name]:
+                for chunk in _chunks(source, scratch):
+                    if not check(chunk):
+                        raise RecordError("non-finite values in the captured states")
+                    digest.update(chunk)
+                    size += write_all(fd, chunk)
         if durable:
             os.fsync(fd)
         os.fchmod(fd, 0o644)
@@ -244,14 +280,23 @@ def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: by
 
 
 def write_record(run_dir: Path, index: int, sample_id: str, input_ids, loss_mask, aux_hidden_state,
-                 hidden_state) -> RecordEntry:
+                 hidden_state, aux_format: str = "bf16") -> RecordEntry:
     """Write the record atomically (durable on return) and return its manifest entry (not yet
     appended). RecordError if a state holds NaN or inf, as for a captured record."""
+    from engine.aux_fp8 import quantize_sources
+
     tensors = record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state)
     tensors = {k: v.cpu() for k, v in tensors.items()}
+    hidden = int(tensors["hidden_state"].shape[1])
+    aux: list[Source] = [tensor_bytes(tensors["aux_hidden_state"])]
+    scale = None
+    if aux_format == "fp8":
+        aux, scale, finite = quantize_sources(aux, hidden)
+        if not finite:
+            raise RecordError("non-finite values in the captured states")
     return write_record_stream(run_dir, index, sample_id, tensor_bytes(tensors["input_ids"]),
-                               tensor_bytes(tensors["loss_mask"]), [tensor_bytes(tensors["aux_hidden_state"])],
-                               [tensor_bytes(tensors["hidden_state"])], int(tensors["hidden_state"].shape[1]))
+                               tensor_bytes(tensors["loss_mask"]), aux, [tensor_bytes(tensors["hidden_state"])], hidden,
+                               aux_format=aux_format, aux_scale=scale)
 
 
 def sha256_and_size(path: str) -> tuple[str, int]:
@@ -352,6 +397,14 @@ def load_record_bytes(data: bytes) -> dict[str, Any]:
     missing = [k for k in KEYS if k not in tensors]
     if missing:
         raise RecordError(f"record lacks {', '.join(missing)}")
+    if "aux_scale" in tensors:  # fp8 aux states: readers get bf16 (engine.aux_fp8)
+        from engine.aux_fp8 import dequantize
+
+        scale, aux, hidden = tensors.pop("aux_scale"), tensors["aux_hidden_state"], tensors["hidden_state"]
+        if tuple(scale.shape) != (aux.shape[0], 3) or aux.shape[1] != 3 * hidden.shape[1]:
+            raise RecordError(f"fp8 record: aux {list(aux.shape)} with scales {list(scale.shape)} and hidden "
+                              f"{list(hidden.shape)} do not fit together")
+        tensors["aux_hidden_state"] = dequantize(aux, scale, int(hidden.shape[1]))
     return tensors
 
 

@@ -80,9 +80,11 @@ def test_bytes_per_token() -> None:
     assert bytes_per_token(7168) == 57360
     assert fmt_bytes(bytes_per_token(7168)) == "56.0 KiB"
     assert bytes_per_token(64) == 2 * 256 + 16
-    assert bytes_per_token(64, dtype_bytes=4) == 4 * 256 + 16
+    assert bytes_per_token(7168, "fp8") == 5 * 7168 + 28  # 0.62 of bf16 at Kimi-K2.5's width
     with pytest.raises(ValueError):
         bytes_per_token(0)
+    with pytest.raises(ValueError):
+        bytes_per_token(64, "fp16")
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ import signal
 import threading
 
 import psutil
-
 import pytest
+import torch
 
 from engine.checks.base import StageReport, StageState, failed, passed
 from engine.config import ConfigError, parse_config, set_value
@@ -183,12 +183,14 @@ def test_the_capture_process_keeps_the_servers_requests_while_records_are_writte
 @pytest.mark.parametrize("online_ws", ["64m"], indirect=True)
 def test_online_captures_run_in_a_process_of_their_own(online_ws):
     """The trainer's process only orders captures and files the answers; the requests and the records
-    cost the capture process's CPU, not the training loop's (whose GIL they would share)."""
+    cost the capture process's CPU, not the training loop's (whose GIL they would share). With fp8 aux
+    states (extract.aux_format) the window reserves fp8 sizes and the trainer reads bf16."""
     from engine.model.target import workspace_plan
     from engine.train.online import OnlineData
 
     ws, _ = online_ws
-    ws.save_config(set_value(ws.config, "train.window_gb", 0.05))  # room for every record: no window waits
+    # room for every record: no window waits
+    ws.save_config(set_value(set_value(ws.config, "train.window_gb", 0.05), "extract.aux_format", "fp8"))
     ws.reload()
     data = OnlineData(ws, workspace_plan(ws), max_len=64, eval_fraction=0.0, batch_size=2)
     steps = 6
@@ -201,6 +203,7 @@ def test_online_captures_run_in_a_process_of_their_own(online_ws):
             for entry in batches[step]:
                 record = data.load(entry)
                 assert record["hidden_state"].shape[0] == entry.tokens
+                assert record["aux_hidden_state"].dtype == torch.bfloat16
                 if capture_pid is None:
                     # A job's stop is SIGTERM to its process group: the trainer checkpoints at its next step
                     # and the batch it waits for must still come, so the capture process lets it pass.

@@ -84,7 +84,7 @@ def _window_budget(ctx: CheckContext) -> CheckResult:
     if isinstance(hidden, CheckResult):
         return hidden
     tokens, source = estimate_tokens(ctx)
-    per_token = bytes_per_token(hidden)
+    per_token = bytes_per_token(hidden, cfg.extract.aux_format)
     offline = tokens * per_token
     window = window_budget(cfg)
     there = files_bytes(window_dir(ctx.workspace))  # kept records of an earlier run stay counted in the window
@@ -144,7 +144,7 @@ def _budget(ctx: CheckContext) -> CheckResult:
     if isinstance(hidden, CheckResult):
         return hidden
     tokens, source = estimate_tokens(ctx)
-    per_token = bytes_per_token(hidden)
+    per_token = bytes_per_token(hidden, cfg.extract.aux_format)
     # Only what remains is written: records already in the run are resumed, not redone.
     done_tokens, done_bytes, note = written_so_far(ctx, hidden)
     todo = max(tokens - done_tokens, 0)

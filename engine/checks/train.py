@@ -85,7 +85,7 @@ def _estimate(ctx: CheckContext) -> str:
     except TargetError:
         return f"train.mode = {cfg.train.mode}"
     tokens, _ = estimate_tokens(ctx)
-    offline = fmt_bytes(tokens * bytes_per_token(hidden))
+    offline = fmt_bytes(tokens * bytes_per_token(hidden, ctx.config.extract.aux_format))
     if cfg.train.mode == "offline":
         return f"train.mode = offline: trains from the extraction's records ({offline} for {tokens:,} tokens)"
     from engine.train.window import last_capture_rate

@@ -153,10 +153,10 @@ class Extractor:
         meta = {"model": str(self.ws.model_dir), "hidden_size": hidden, "layers": layers,
                 "architecture": target.architecture, "sglang_layer_ids": target.sglang_ids, "dataset": plan.dataset,
                 "fingerprint": plan.fingerprint, "max_seq_len": self.cfg.dataset.max_seq_len,
-                "num_samples": len(plan.samples), "dtype": "bfloat16"}
+                "num_samples": len(plan.samples), "dtype": "bfloat16", "aux_format": self.cfg.extract.aux_format}
         if (self.run_dir / "run.json").is_file():
-            old = read_run_meta(self.run_dir)
-            for key in ("hidden_size", "layers", "fingerprint", "max_seq_len"):
+            old = {"aux_format": "bf16", **read_run_meta(self.run_dir)}  # runs from before the key: bf16
+            for key in ("hidden_size", "layers", "fingerprint", "max_seq_len", "aux_format"):
                 if old.get(key) != meta[key]:
                     raise ExtractionRefused(
                         f"run {self.run_dir} was made with {key}={old.get(key)!r}, now {meta[key]!r}: set "
@@ -372,6 +372,7 @@ class Extractor:
         trusts after a crash (online training's stream). SampleFailed/RecordError: the capture is wrong."""
         import torch
 
+        from engine.aux_fp8 import quantize_sources
         from engine.capture.segments import SegmentError, open_capture, release
 
         try:
@@ -390,8 +391,13 @@ class Extractor:
                     aux = [tensor_bytes(capture.tensor("aux_hidden_state").to(torch.bfloat16))]
                     final = [tensor_bytes(capture.tensor("hidden_state").to(torch.bfloat16))]
                 mask = struct.pack(f"<{len(sample.loss_mask)}q", *sample.loss_mask)
+                aux_format, scale = self.cfg.extract.aux_format, None
+                if aux_format == "fp8":  # engine.aux_fp8: the states are read once to quantize them
+                    aux, scale, finite = quantize_sources(aux, hidden)
+                    if not finite:
+                        raise RecordError("non-finite values in the captured states")
                 return write_record_stream(run_dir, index, record_id, capture.input_ids, mask, aux, final, hidden,
-                                           sync_dir=sync_dir, durable=durable)
+                                           sync_dir=sync_dir, durable=durable, aux_format=aux_format, aux_scale=scale)
         finally:
             release(self.spool, rid)
 
@@ -551,7 +557,7 @@ class Extractor:
         todo = [s for s in plan.samples if s.id not in done_ids]
         if (self.run_dir / "bad.jsonl").exists():  # every bad sample of an earlier session is retried now
             await self._in_writer(write_bad, self.run_dir, {})
-        per_token = bytes_per_token(hidden)
+        per_token = bytes_per_token(hidden, self.cfg.extract.aux_format)
         needed = sum(len(s.input_ids) for s in todo) * per_token + 512 * len(todo)
         budget = require_fit(self.run_dir, needed, int(self.cfg.extract.disk_reserve_gb * GIB))
         self.event("started", samples=len(plan.samples), todo=len(todo), resumed=len(good),

@@ -114,11 +114,16 @@ def usage_for_paths(paths: Mapping[str, str | os.PathLike[str]], reserve_bytes: 
     return list(merged.values())
 
 
-def bytes_per_token(hidden_size: int, dtype_bytes: int = 2) -> int:
-    """Capture bytes per token: aux [3H] + final [H] states, plus int64 input_ids and loss_mask."""
-    if hidden_size <= 0 or dtype_bytes <= 0:
-        raise ValueError("hidden_size and dtype_bytes must be positive")
-    return dtype_bytes * (3 * hidden_size + hidden_size) + 16
+def bytes_per_token(hidden_size: int, aux_format: str = "bf16") -> int:
+    """Record bytes per token: aux [3H] and final [H] states, int64 input_ids and loss_mask. bf16 aux:
+    8H + 16; fp8 aux (e4m3 and float32 scales [3], engine.aux_fp8): 5H + 28."""
+    if hidden_size <= 0:
+        raise ValueError("hidden_size must be positive")
+    if aux_format == "fp8":
+        return 3 * hidden_size + 12 + 2 * hidden_size + 16
+    if aux_format != "bf16":
+        raise ValueError(f"aux format {aux_format!r} is not bf16 or fp8")
+    return 2 * (3 * hidden_size + hidden_size) + 16
 
 
 def fmt_bytes(n: int | float) -> str:

@@ -156,9 +156,9 @@ class OnlineData(RecordData):
             raise TrainDataError(f"dataset {plan.dataset} has no sample of 3 or more tokens: run the `dataset` stage "
                                  "for details")
         self.samples = {s.id: s for s in samples}
-        self.per_token = bytes_per_token(self.hidden_size)
+        self.per_token = bytes_per_token(self.hidden_size, self.cfg.extract.aux_format)
         usable = [RecordEntry(s.id, s.index, "", len(s.input_ids), int(sum(s.loss_mask)),
-                              record_bytes(len(s.input_ids), self.hidden_size), "") for s in samples]
+                              record_bytes(len(s.input_ids), self.hidden_size, self.cfg.extract.aux_format), "") for s in samples]
         self._split(usable, eval_fraction)
         self.kept: dict[str, RecordEntry] = {}  # sample id -> its record in kept/
         self._keeping: set[str] = set()  # being captured to be kept
@@ -227,13 +227,14 @@ class OnlineData(RecordData):
 
     def offline_bytes(self) -> int:
         """What an offline extraction of the same samples would write."""
-        return sum(record_bytes(len(s.input_ids), self.hidden_size) for s in self.samples.values())
+        return sum(record_bytes(len(s.input_ids), self.hidden_size, self.cfg.extract.aux_format) for s in self.samples.values())
 
     # ------------------------------------------------------------------ start
     def _open_kept(self) -> None:
         """Kept records of an earlier session that still match this dataset and model; the rest go."""
         meta = {"fingerprint": self.fingerprint, "hidden_size": self.hidden_size,
-                "layers": list(self.target.capture_layers), "model": str(self.ws.model_dir)}
+                "layers": list(self.target.capture_layers), "model": str(self.ws.model_dir),
+                "aux_format": self.cfg.extract.aux_format}
         try:
             old = read_run_meta(self.kept_dir)
         except RecordError:

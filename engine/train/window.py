@@ -79,9 +79,9 @@ def last_capture_rate(workspace) -> float | None:
     return None
 
 
-def record_bytes(tokens: int, hidden_size: int) -> int:
+def record_bytes(tokens: int, hidden_size: int, aux_format: str = "bf16") -> int:
     """Upper bound of the bytes of one record of `tokens` tokens (engine.records' layout)."""
-    return tokens * bytes_per_token(hidden_size) + HEADER_BYTES
+    return tokens * bytes_per_token(hidden_size, aux_format) + HEADER_BYTES
 
 
 def files_bytes(root: Path) -> int:
