@@ -360,7 +360,7 @@ async def test_training_pane_shows_online_rates_and_window(ws):
         ctx = JobContext.from_env()
         ctx.progress(10, 40, unit="steps", mode="online", epoch=1, epoch_step=3, steps_per_epoch=20,
                      capture_tokens_per_s=900.0, train_tokens_per_s=4200.0, window_bytes=4_700_000,
-                     window_budget=5_000_000, window_peak=4_900_000)
+                     window_budget=5_000_000, window_peak=4_900_000, capture_cpu=0.63)
         time.sleep(2)
         # One pace (what is captured is trained) with the window full: the producer waits for room.
         ctx.progress(12, 40, unit="steps", mode="online", epoch=1, epoch_step=5, steps_per_epoch=20,
@@ -380,7 +380,7 @@ async def test_training_pane_shows_online_rates_and_window(ws):
         rows = screen_lines(app)[region.y:region.bottom]
         text = " ".join(" ".join(row[region.x:region.right].split()) for row in rows)
         assert "online · epoch 1 step 3/20" in text, text
-        assert "capture 900 vs trainer 4.2k tok/s (capture sets the pace)" in text, text
+        assert "capture 900 vs trainer 4.2k tok/s (capture sets the pace) · capture process 0.6 CPU" in text, text
         assert "window 4.5 MiB of 4.8 MiB (peak 4.7 MiB)" in text, text
 
         def pane_text() -> str:

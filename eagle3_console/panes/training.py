@@ -361,6 +361,9 @@ def online_line(p: Progress) -> str:
     rates = f"capture {fmt_count(capture)} vs trainer {fmt_count(train)} tok/s"
     if capture and train:
         rates += f" ([$warning]{pace_setter(p, capture, train)}[/] sets the pace)"
+    cpu = finite(p.capture_cpu)
+    if cpu is not None:  # the capture process's CPU: where the capture's client-side work goes
+        rates += f" · capture process {cpu:.1f} CPU"
     window = ""
     if p.window_budget:
         used = p.window_bytes or 0
