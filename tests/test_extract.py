@@ -210,8 +210,13 @@ def test_refuses_to_start_when_the_output_disk_is_too_small(tiny_chat_model_dir,
     _mount_tmpfs(out, "64k")
     try:
         ws = _ws(tmp_path, tiny_chat_model_dir, **{"extract.output_dir": str(out)})
-        proc = subprocess.run([sys.executable, "-m", "engine.extract", "--workspace", str(ws.root)],
-                              capture_output=True, text=True, timeout=120)
+        manager = ServerManager(ws)  # without one the job refuses sooner, naming the server
+        asyncio.run(manager.start())
+        try:
+            proc = subprocess.run([sys.executable, "-m", "engine.extract", "--workspace", str(ws.root)],
+                                  capture_output=True, text=True, timeout=120)
+        finally:
+            asyncio.run(manager.stop(grace=5))
         assert proc.returncode == 2
         assert "refusing to start: needs" in proc.stdout and "free" in proc.stdout and "reserve" in proc.stdout
         assert "another disk" in proc.stdout
@@ -299,3 +304,18 @@ def test_run_with_other_settings_is_refused(server_ws):
     with pytest.raises(ExtractionRefused, match="set extract.run to a new name") as info:
         asyncio.run(Extractor(ws).run())
     assert not isinstance(info.value, DiskBudgetError), "a settings mismatch is not a disk problem"
+
+
+def test_a_job_refuses_to_start_when_no_server_runs_or_answers(tiny_chat_model_dir, tmp_path):
+    """With the server stopped and nothing answering, extraction (and online training's capture, which
+    checks the server the same way) is refused at once, naming the fix, instead of waiting for a server
+    nobody starts. A crashed server is another matter: the job restarts it (test_kill_server)."""
+    from engine.extract.guard import ExtractionRefused
+
+    ws = _ws(tmp_path, tiny_chat_model_dir, n=2)
+    started = time.monotonic()
+    with pytest.raises(ExtractionRefused, match=r"no server answers at http://127\.0\.0\.1:\d+ and this workspace's "
+                                                r"server is stopped: start it \(`eagle3-console server start`"):
+        asyncio.run(Extractor(ws).run())
+    assert time.monotonic() - started < 30
+    assert not (ws.hidden_dir / "manifest.jsonl").exists()

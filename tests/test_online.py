@@ -233,3 +233,34 @@ def test_a_checkpoint_resumes_only_in_its_mode_family(tiny_chat_model_dir, tmp_p
     ws.reload()
     with pytest.raises(TrainError, match="train.run"):
         Trainer(ws, device="cpu")._check_data_mode({"mode": "online"})
+
+
+def test_a_stop_while_the_trainer_waits_for_captures_checkpoints_at_once(online_ws):
+    """The server stops under a running online job (stopped, not crashed: nobody restarts it), so the
+    trainer waits for captures that will not come. `jobs stop` (SIGTERM) must still stop it cleanly and
+    at once — checkpoint at the step it waited at, exit 0 — not after the grace's SIGKILL (it did)."""
+    import asyncio
+    import time
+
+    from engine.jobs.manager import JobManager
+    from engine.server.manager import ServerManager
+    from engine.train import checkpoint as ckpt
+
+    ws, _ = online_ws
+    jobs = JobManager(ws.jobs_dir)
+    events: list[dict] = []
+    info = run_job(ws, jobs, events, until=lambda ev: any(e.get("type") == "progress" and e["done"] >= 2 for e in ev))
+    assert info.active, "\n".join(jobs.tail(info.id, 40))
+    asyncio.run(ServerManager(ws).stop(grace=5))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(e.get("type") == "server_down" for e in jobs.events(info.id, 0)[0]):
+        time.sleep(0.1)
+    time.sleep(2)  # the window drains: the trainer now waits for a capture
+    started = time.monotonic()
+    stopped = jobs.stop_sync(info.id, grace=60)
+    took = time.monotonic() - started
+    assert stopped.state == "stopped" and stopped.exit_code == 0, "\n".join(jobs.tail(info.id, 40))
+    assert took < 20, f"the stop took {took:.1f} s"
+    done = jobs.events(info.id, 0)[0]
+    step = next(e for e in done if e.get("type") == "stopped")["step"]
+    assert (ckpt.latest(ws.drafter_dir) or {}).get("step") == step

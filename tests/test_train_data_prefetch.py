@@ -117,14 +117,20 @@ def test_training_through_the_prefetcher_is_unchanged(run_dir, tiny_model_dir, t
     class Plain:
         """Today's path without the thread: collate each step when it is asked for."""
 
-        def __init__(self, load, steps, device, depth=2):
+        def __init__(self, load, steps, device, depth=2, interrupt=None):
             self.it = (load(s) for s in steps)
 
         def __enter__(self):
-            return self.it
+            return self
 
         def __exit__(self, *exc):
             return None
+
+        def wait(self, timeout):
+            return True  # the next batch is made when asked for
+
+        def __next__(self):
+            return next(self.it)
 
     monkeypatch.setattr(loop, "BatchPrefetcher", Plain)
     ws_b = train_workspace(tmp_path / "b", tiny_model_dir, run_dir, epochs=1, save_every=100, log_every=2)
@@ -182,3 +188,20 @@ def test_cuda_loader_error_reaches_the_step_that_needed_it(ahead):
                 seen.append(float(batch.hidden[0, 0, 0]))
     assert seen == [0.0, 1.0]
     assert not _prefetch_threads()
+
+
+def test_a_loader_that_waits_is_told_to_give_up_when_the_prefetcher_closes():
+    """Online, a batch waits for captures: `wait` says so without blocking, and `close()` interrupts the
+    loader (it would otherwise join a thread that waits for ever)."""
+    given_up = threading.Event()
+
+    def load(step):
+        if not given_up.wait(30):
+            raise AssertionError("never interrupted")
+        raise RuntimeError("stopped while waiting")
+
+    prefetcher = BatchPrefetcher(load, range(0, 3), "cpu", interrupt=given_up.set)
+    assert prefetcher.wait(0.1) is False
+    started = time.monotonic()
+    prefetcher.close()
+    assert time.monotonic() - started < 5

@@ -190,7 +190,7 @@ class Extractor:
         except ConfigError:
             spec = None
         found: list = []
-        for url in self.endpoints():
+        for number, url in enumerate(self.endpoints()):
             client = ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=5)
             try:
                 info = await client.server_info()
@@ -198,6 +198,12 @@ class Extractor:
                 info = None
             finally:
                 await client.aclose()
+            if info is None and number == 0 and not ours and (await manager.poll()).state == "stopped":
+                # Nothing answers and nothing of ours is starting or to be restarted: the job would wait
+                # for a server nobody starts.
+                raise ExtractionRefused(f"no server answers at {url} and this workspace's server is stopped: start "
+                                        "it (`eagle3-console server start`, or the Server pane), then start the "
+                                        "extraction again")
             if ours and url == record.get("url"):
                 if not record.get("capture", True):
                     found.append(("the server", ("capture: the server runs without capture, console.toml's "

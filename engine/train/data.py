@@ -169,8 +169,9 @@ class BatchPrefetcher:
     `close()` (or leaving the `with` block) stops and joins the thread, whatever it was doing."""
 
     def __init__(self, load: Callable[[int], Batch], steps: range, device: torch.device | str, depth: int = 2,
-                 ahead: int = 0):
+                 ahead: int = 0, interrupt: Callable[[], None] | None = None):
         self.load = load
+        self.interrupt = interrupt  # makes a `load` that waits (for online captures) give up, on close()
         self.ahead = ahead
         self.steps = steps
         self.device = torch.device(device)
@@ -210,8 +211,22 @@ class BatchPrefetcher:
                 if not self._thread.is_alive() and self._ready.empty():
                     return _Failed(RuntimeError("the batch loader thread ended before the last step"))
 
-    def _stage(self) -> None:
-        batch = self._take()
+    def wait(self, timeout: float) -> bool:
+        """True once the next batch (or its failure) is at hand, so that `next()` will not block; False
+        after `timeout` s without it (the caller may do something else meanwhile: see a stop request)."""
+        if self._staged is not None or self._handed >= len(self.steps):
+            return True
+        try:
+            item: Batch | _Failed = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            if self._thread.is_alive() or not self._ready.empty():
+                return False
+            item = _Failed(RuntimeError("the batch loader thread ended before the last step"))
+        self._stage(item)
+        return True
+
+    def _stage(self, item: Batch | _Failed | None = None) -> None:
+        batch = self._take() if item is None else item
         if isinstance(batch, _Failed) or self._stream is None:
             self._staged = batch if isinstance(batch, _Failed) else (batch.to(self.device), None)
             return
@@ -247,6 +262,8 @@ class BatchPrefetcher:
 
     def close(self) -> None:
         self._stop.set()
+        if self.interrupt is not None:
+            self.interrupt()
         while True:  # unblock a put waiting on a full queue
             try:
                 self._ready.get_nowait()

@@ -489,6 +489,15 @@ class Trainer:
             torch.distributed.all_reduce(tensor)
         return tensor
 
+    def _stop_waits_for(self, batches: BatchPrefetcher) -> bool:
+        """Wait for the next batch, unless a stop is asked meanwhile (True then). Online, a batch can wait
+        for the server without end (stopped, or restarted by hand): a stop must not. One rank only: with
+        several, a rank leaving its wait would meet the others' gradient all-reduce with its stop vote."""
+        while not batches.wait(0.5):
+            if self.stop_requested or (self.ctx is not None and self.ctx.stop_requested):
+                return True
+        return False
+
     def _should_stop(self) -> bool:
         flag = torch.tensor([1.0 if self.stop_requested or (self.ctx and self.ctx.stop_requested) else 0.0],
                             device=self.device)
@@ -560,7 +569,8 @@ class Trainer:
         # copied to the GPU under the previous step (a step's batch is a pure function of the step
         # number, so resume replays the same batches).
         load = lambda step: self.data.collate(self._batch_entries(step), pin=self.gpu)  # noqa: E731
-        with BatchPrefetcher(load, range(self.step, limit), self.device) as batches:
+        interrupt = self.data.interrupt if self.online else None  # a stop while a batch awaits captures
+        with BatchPrefetcher(load, range(self.step, limit), self.device, interrupt=interrupt) as batches:
             while self.step < limit:
                 if self._should_stop():
                     self._sum_window_figures()
@@ -568,6 +578,8 @@ class Trainer:
                         self.save_checkpoint()
                     self.event("stopped", step=self.step)
                     return 0
+                if self.world == 1 and self._stop_waits_for(batches):
+                    continue  # stopped while its batch was awaited: checkpoint at this step, above
                 batch = next(batches)
                 stats, grad_norm = self.train_step(batch)
                 if self.step_finite:

@@ -169,6 +169,7 @@ class OnlineData(RecordData):
         self._cond = threading.Condition()
         self._error: str | None = None
         self._closed = False
+        self._interrupted = False  # the trainer stops waiting for records (its batch loader closes)
         self._thread: threading.Thread | None = None
         self._seq = 0
         self.captured = self.captured_tokens = 0
@@ -488,7 +489,7 @@ class OnlineData(RecordData):
                     break
                 if self._error is not None:
                     raise TrainDataError(self._error)
-                if self._closed:
+                if self._closed or self._interrupted:
                     raise TrainDataError("online capture was stopped before this sample arrived")
                 self._cond.wait(1.0)
         if ready is None:
@@ -559,6 +560,12 @@ class OnlineData(RecordData):
                 "window_peak": int(fig["window_peak"]), "captured": int(fig["captured"]),
                 "producer_cpu": round((self.producer_cpu - cpu) / elapsed, 3),  # this rank's, in the trainer
                 "capture_cpu": round((now_capture_cpu - capture_cpu) / elapsed, 3)}  # its capture process
+
+    def interrupt(self) -> None:
+        """A load that waits for a record gives up now (the capture goes on until close())."""
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify_all()
 
     def close(self) -> dict[str, Any]:
         """Stop capturing, empty stream/ (kept/ stays); what the window held at most."""
