@@ -121,39 +121,46 @@ async def test_failed_extraction_says_why_in_toast_pane_check_and_jobs_list(tmp_
         ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir,
                             **{"dataset.path": "train.jsonl", "extract.output_dir": str(ro)})
         write_conversations(ws.root / "train.jsonl", 5)
+        from engine.server.manager import ServerManager
+
+        server = ServerManager(ws)  # up: without a server the job is refused sooner, for that reason
+        await server.start()
         engine = Engine(Workspace(ws.root))
         app = ConsoleApp(engine)
         toasts = record_toasts(app)
-        async with app.run_test(size=(110, 36)) as pilot:  # one pane at a time: full-width stage rows
-            await pilot.press("4")
-            await pilot.press("s")  # start asks first (estimated time, disk need): yes
-            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "the start question")
-            await pilot.press("y")
-            await wait_until(pilot, lambda: engine.jobs.list(), 20, "the extraction job")
-            job = engine.jobs.list()[0]
-            await wait_until(pilot, lambda: engine.jobs.get(job.id).state == "failed", 120, "the job to fail")
+        try:
+            async with app.run_test(size=(110, 36)) as pilot:  # one pane at a time: full-width stage rows
+                await pilot.press("4")
+                await pilot.press("s")  # start asks first (estimated time, disk need): yes
+                await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 5, "the start question")
+                await pilot.press("y")
+                await wait_until(pilot, lambda: engine.jobs.list(), 20, "the extraction job")
+                job = engine.jobs.list()[0]
+                await wait_until(pilot, lambda: engine.jobs.get(job.id).state == "failed", 120, "the job to fail")
 
-            # The toast names the cause, not only "job … failed".
-            await wait_until(pilot, lambda: any(job.id in n and cause in n for n in toasts), 20,
-                             lambda: f"a toast with the cause (toasts: {toasts})")
-            # The Extraction pane, as rendered, says why (toasts cleared: they say it too).
-            app.clear_notifications()
-            await pilot.pause(0.3)
-            await wait_until(pilot, lambda: cause in screen_text(app), 20, "the cause on the Extraction pane")
-            assert "Errno" in screen_text(app)
-            assert "● failed" in screen_text(app) and "● planning" not in screen_text(app)
+                # The toast names the cause, not only "job … failed".
+                await wait_until(pilot, lambda: any(job.id in n and cause in n for n in toasts), 20,
+                                 lambda: f"a toast with the cause (toasts: {toasts})")
+                # The Extraction pane, as rendered, says why (toasts cleared: they say it too).
+                app.clear_notifications()
+                await pilot.pause(0.3)
+                await wait_until(pilot, lambda: cause in screen_text(app), 20, "the cause on the Extraction pane")
+                assert "Errno" in screen_text(app)
+                assert "● failed" in screen_text(app) and "● planning" not in screen_text(app)
 
-            # The stage is re-checked when the job ends: its first failure names the job's cause, and
-            # the fix is not "run the very command that failed".
-            await wait_until(pilot, lambda: any(r.name == "job" for r in engine.pipeline.report("extract").results),
-                             30, "the extract stage re-checked")
-            report = engine.pipeline.report("extract")
-            first = next(r for r in report.results if r.status.value == "fail")
-            assert cause in first.evidence and job.id in first.evidence, first
-            assert first.fix != START_FIX and cause not in first.fix and "jobs logs" in first.fix, first.fix
-            await pilot.press("3")
-            await pilot.pause(0.3)
-            assert cause in app.query_one(PipelinePane).row_text("extract")
+                # The stage is re-checked when the job ends: its first failure names the job's cause, and
+                # the fix is not "run the very command that failed".
+                await wait_until(pilot, lambda: any(r.name == "job" for r in engine.pipeline.report("extract").results),
+                                 30, "the extract stage re-checked")
+                report = engine.pipeline.report("extract")
+                first = next(r for r in report.results if r.status.value == "fail")
+                assert cause in first.evidence and job.id in first.evidence, first
+                assert first.fix != START_FIX and cause not in first.fix and "jobs logs" in first.fix, first.fix
+                await pilot.press("3")
+                await pilot.pause(0.3)
+                assert cause in app.query_one(PipelinePane).row_text("extract")
+        finally:
+            await server.stop(grace=5)
 
         listed = cli(ws, "jobs")
         line = next(line for line in listed.stdout.splitlines() if job.id in line)
