@@ -114,6 +114,7 @@ class Extractor:
         self._progress: Progress | None = None
         self._writes: ThreadPoolExecutor | None = None  # every write into the run dir goes through it
         self._sent: set[str] = set()  # rids already sent once: a reused one may have stale segments
+        self._down: set[str] = set()  # endpoints in an outage that server_down has announced
         self._commits: GroupCommit | None = None
         self._requests = asyncio.Semaphore(1)  # sized when the run starts
         self._space_ok_at = -SPACE_CHECK_S  # when the disks last had room and no pause was asked for
@@ -408,11 +409,14 @@ class Extractor:
             release(self.spool, rid)
 
     async def wait_for_server(self, url: str, primary: bool) -> None:
-        """Wait until the endpoint answers; restart the engine-owned server if it crashed."""
+        """Wait until the endpoint answers; restart the engine-owned server if it crashed. Every request in
+        flight meets the outage: one server_down and one server_up are said for all of them."""
         from engine.client import ServerClient
         from engine.server.manager import ServerManager, ServerStartError
 
-        self.event("server_down", url=url)
+        if url not in self._down:
+            self._down.add(url)
+            self.event("server_down", url=url)
         client = ServerClient(url, api_key=self.cfg.server.api_key or None, timeout=10)
         try:
             while not self.stopping:
@@ -428,7 +432,9 @@ class Extractor:
                                 self.event("server_restart_failed", reason=str(exc))
                 try:
                     await client.health_generate()
-                    self.event("server_up", url=url)
+                    if url in self._down:  # the first waiter to see it back says so
+                        self._down.discard(url)
+                        self.event("server_up", url=url)
                     return
                 except Exception:
                     await asyncio.sleep(1.0)

@@ -138,6 +138,8 @@ def test_online_training_rides_out_a_server_killed_mid_epoch(online_ws):
     assert info.state == "succeeded", "\n".join(jobs.tail(info.id, 60))
     kinds = [e.get("type") for e in events]
     assert "server_down" in kinds and "server_restart" in kinds and "server_up" in kinds, kinds
+    # every request in flight met the outage; it is said once (it was once per capture worker)
+    assert kinds.count("server_down") == kinds.count("server_up") == kinds.count("server_restart") == 1, kinds
     restarted = manager.job()
     assert restarted is not None and restarted.pid != server.pid
     assert (ws.drafter_dir / "export" / "config.json").is_file() and 0 < sampler.peak <= budget
