@@ -352,6 +352,11 @@ class TrainingPane(Pane):
         return self.view.best_al
 
 
+# A window this full is full: the producer is waiting for room (records are whole, so a window seldom
+# shows fuller than one record short of its budget). One threshold for its colour and for the pace.
+FULL_WINDOW = 0.8
+
+
 def online_line(p: Progress) -> str:
     """Where an online/hybrid run stands: its epoch, which side is slower, how full the window is."""
     epoch = f"{p.mode} · epoch {p.epoch if p.epoch is not None else '?'}"
@@ -367,7 +372,7 @@ def online_line(p: Progress) -> str:
     window = ""
     if p.window_budget:
         used = p.window_bytes or 0
-        colour = "$warning" if used > 0.9 * p.window_budget else "$text"
+        colour = "$warning" if used >= FULL_WINDOW * p.window_budget else "$text"
         window = f"window [{colour}]{fmt_bytes(used)}[/] of {fmt_bytes(p.window_budget)}"
         if p.window_peak:
             window += f" (peak {fmt_bytes(p.window_peak)})"
@@ -380,7 +385,7 @@ def pace_setter(p: Progress, capture: float, train: float) -> str:
     for room, so the trainer sets the pace; not full, the trainer is waiting for captures."""
     if abs(capture - train) > 0.1 * max(capture, train) or not p.window_budget:
         return "capture" if capture < train else "trainer"
-    return "trainer" if (p.window_bytes or 0) >= 0.8 * p.window_budget else "capture"
+    return "trainer" if (p.window_bytes or 0) >= FULL_WINDOW * p.window_budget else "capture"
 
 
 def _sci(value) -> str:
