@@ -264,3 +264,32 @@ def test_a_stop_while_the_trainer_waits_for_captures_checkpoints_at_once(online_
     done = jobs.events(info.id, 0)[0]
     step = next(e for e in done if e.get("type") == "stopped")["step"]
     assert (ckpt.latest(ws.drafter_dir) or {}).get("step") == step
+
+
+@pytest.mark.parametrize("online_ws", ["64m"], indirect=True)
+def test_a_capture_process_killed_fails_the_batch_that_waits_naming_it(online_ws):
+    """kill -9 of the capture process alone: the trainer's next wait for a record ends in an error that
+    says what ended and how (the job then fails and resumes from its checkpoint, as after any crash)."""
+    from engine.model.target import workspace_plan
+    from engine.train.data import TrainDataError
+    from engine.train.online import OnlineData
+
+    ws, _ = online_ws
+    ws.save_config(set_value(ws.config, "train.window_gb", 0.0002))  # a few records: captures stay ahead
+    ws.reload()
+    data = OnlineData(ws, workspace_plan(ws), max_len=64, eval_fraction=0.0, batch_size=2)
+    order = data.train_entries
+    batches = {step: [order[(2 * step + i) % len(order)] for i in range(2)] for step in range(20)}
+    data.start(lambda step: batches[step], 0, 20)
+    try:
+        data.load(batches[0][0])
+        pid = data.capture_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TrainDataError, match=r"the capture process ended \(killed by signal 9\)"):
+            for step in range(20):
+                for entry in batches[step][1 if step == 0 else 0:]:
+                    data.load(entry)
+    finally:
+        data.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
