@@ -19,9 +19,9 @@ Messages (multiprocessing.connection over a socket pair, pickled tuples):
                     ("ended", cpu_s)     every order answered
 
 It dies with its trainer (PR_SET_PDEATHSIG, and EOF on the connection) and ignores SIGTERM: a job's stop
-signals its whole process group, and the trainer stops its captures itself once it has checkpointed. Captures it had in flight stay in
-the server's spool until the next start frees them: its session's tag is in the window's spool sessions,
-as an extraction job's is in its run directory.
+signals its whole process group, and the trainer stops its captures itself once it has checkpointed.
+Captures it had in flight stay in the server's spool until the next start frees them: its session's tag
+is in the window's spool sessions, as an extraction job's is in its run directory.
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ EXIT_TIMEOUT_S = 60.0  # for the writes under way to finish after a stop, before
 
 class CaptureProcessError(EngineError):
     """The capture process could not start, or stopped; the message names the cause and the fix."""
+
+
+def failure_text(exc: BaseException) -> str:
+    """What the trainer is told when the capture stops on `exc`: our errors say cause and fix themselves."""
+    return str(exc) if isinstance(exc, EngineError) else f"online capture stopped: {type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True)
@@ -267,8 +272,7 @@ class Capturer:
             try:
                 entry = await self._capture(order)
             except Exception as exc:
-                self.send("failed", str(exc) if isinstance(exc, EngineError) else
-                          f"online capture stopped: {type(exc).__name__}: {exc}")
+                self.send("failed", failure_text(exc))
                 self._stop_now()  # the trainer stops on it: nothing more is captured
                 return
             if entry is not None:
@@ -300,9 +304,10 @@ class Capturer:
             except (SampleFailed, RecordError) as exc:
                 attempt += 1
                 if attempt > retries:
-                    raise CaptureProcessError(f"sample {order.sample.id} could not be captured in {attempt} attempts: {exc}; "
-                                      "check the `capture` stage (`eagle3-console check capture`), fix what it "
-                                      "names, then start training again: it resumes from its checkpoint") from None
+                    raise CaptureProcessError(
+                        f"sample {order.sample.id} could not be captured in {attempt} attempts: {exc}; check the "
+                        "`capture` stage (`eagle3-console check capture`), fix what it names, then start training "
+                        "again: it resumes from its checkpoint") from None
                 self.event("retry", id=order.sample.id, attempt=attempt, reason=str(exc))
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -310,9 +315,10 @@ class Capturer:
                 # Not a pause, as in the extraction: what fills the disk may be the window's own records of
                 # later steps, which only the trainer's progress frees, and it waits for this one.
                 where = self.kept_dir if order.keep else self.stream_dir
-                raise CaptureProcessError(f"disk full while writing the online window in {where} ({exc.strerror}): free "
-                                  "space on that disk or lower train.window_gb (`eagle3-console check disk` shows "
-                                  "what fits), then start training again: it resumes from its checkpoint") from None
+                raise CaptureProcessError(
+                    f"disk full while writing the online window in {where} ({exc.strerror}): free space on that "
+                    "disk or lower train.window_gb (`eagle3-console check disk` shows what fits), then start "
+                    "training again: it resumes from its checkpoint") from None
         return None
 
     def _write(self, order: Order, rid: str):
@@ -344,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(capturer.run())
     except Exception as exc:
-        capturer.send("failed", str(exc) if isinstance(exc, EngineError) else
-                      f"online capture stopped: {type(exc).__name__}: {exc}")
+        capturer.send("failed", failure_text(exc))
         raise
     return 0
 

@@ -230,7 +230,7 @@ class Trainer:
         # Each rank captures its own batches into its own share of the window; only rank 0 reports (and
         # restarts a crashed server).
         return OnlineData(self.ws, target, self.cfg.max_len, self.cfg.eval_fraction, self.cfg.batch_size,
-                          ctx=self.ctx if self.is_main else None, event=self.event, rank=self.rank, world=self.world)
+                          ctx=self.ctx if self.is_main else None, rank=self.rank, world=self.world)
 
     def _data_position(self) -> dict:
         """Where the data stands at this step: the next step trains sample `next_index` of epoch `epoch`'s

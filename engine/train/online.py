@@ -62,8 +62,6 @@ from typing import Any, Callable
 import psutil
 
 from engine.io import atomic
-from engine.system.disk import bytes_per_token
-from engine.errors import EngineError
 from engine.records import (
     RecordEntry,
     RecordError,
@@ -72,7 +70,7 @@ from engine.records import (
     read_run_meta,
     write_run_meta,
 )
-from engine.train.capture_process import EXIT_TIMEOUT_S, CaptureProcess, CaptureSpec, Order
+from engine.train.capture_process import EXIT_TIMEOUT_S, CaptureProcess, CaptureSpec, Order, failure_text
 from engine.train.data import RecordData, TrainDataError, is_eval
 from engine.train.window import (
     Window,
@@ -90,10 +88,6 @@ KEPT = "kept"
 LEDGER = "online_ledger.jsonl"
 DATA_NOTE = "data.json"  # in the drafter directory: which mode trained it, and the window's figures
 EVAL_SHARE = 0.25  # of the window, at most, for the held-out records
-
-
-class OnlineError(EngineError):
-    """Online training cannot start or go on; the message names the cause and the fix."""
 
 
 @dataclass
@@ -130,14 +124,13 @@ class OnlineData(RecordData):
     """The trainer's data source in `train.mode = "online"` or `"hybrid"` (see the module docstring)."""
 
     def __init__(self, workspace, target, max_len: int, eval_fraction: float, batch_size: int,
-                 ctx=None, event: Callable[..., None] | None = None, rank: int = 0, world: int = 1):
+                 ctx=None, rank: int = 0, world: int = 1):
         from engine.extract.plan import build_plan
 
         self.ws = workspace
         self.cfg = workspace.config
         self.mode = self.cfg.train.mode
         self.ctx = ctx
-        self._event = event or (lambda kind, **data: None)
         self.max_len = max_len
         self.hidden_size = target.hidden_size
         self.target = target
@@ -156,9 +149,8 @@ class OnlineData(RecordData):
             raise TrainDataError(f"dataset {plan.dataset} has no sample of 3 or more tokens: run the `dataset` stage "
                                  "for details")
         self.samples = {s.id: s for s in samples}
-        self.per_token = bytes_per_token(self.hidden_size, self.cfg.extract.aux_format)
-        usable = [RecordEntry(s.id, s.index, "", len(s.input_ids), int(sum(s.loss_mask)),
-                              record_bytes(len(s.input_ids), self.hidden_size, self.cfg.extract.aux_format), "") for s in samples]
+        usable = [RecordEntry(s.id, s.index, "", len(s.input_ids), int(sum(s.loss_mask)), self._record_bytes(s), "")
+                  for s in samples]
         self._split(usable, eval_fraction)
         self.kept: dict[str, RecordEntry] = {}  # sample id -> its record in kept/
         self._keeping: set[str] = set()  # being captured to be kept
@@ -228,7 +220,10 @@ class OnlineData(RecordData):
 
     def offline_bytes(self) -> int:
         """What an offline extraction of the same samples would write."""
-        return sum(record_bytes(len(s.input_ids), self.hidden_size, self.cfg.extract.aux_format) for s in self.samples.values())
+        return sum(self._record_bytes(s) for s in self.samples.values())
+
+    def _record_bytes(self, sample) -> int:
+        return record_bytes(len(sample.input_ids), self.hidden_size, self.cfg.extract.aux_format)
 
     # ------------------------------------------------------------------ start
     def _open_kept(self) -> None:
@@ -316,10 +311,8 @@ class OnlineData(RecordData):
             self._produce(batch_entries, first_step, limit, meter)
         except WindowClosed:
             pass
-        except EngineError as exc:
-            self._fail(str(exc))
         except BaseException as exc:  # the trainer raises it at the batch that waits for it
-            self._fail(f"online capture stopped: {type(exc).__name__}: {exc}")
+            self._fail(failure_text(exc))
         finally:
             meter.tick()
 
