@@ -154,18 +154,33 @@ def _chunks(source: Source, scratch: bytearray) -> Iterator[memoryview]:
         end = offset + length
         while offset < end:
             want = min(CHUNK, end - offset)
-            got = 0
-            while got < want:
-                n = os.preadv(fd, [view[got:want]], offset + got)
-                if n <= 0:
-                    raise RecordError(f"source file ended {end - offset - got} bytes early (truncated while read?)")
-                got += n
+            _read_range(fd, view[:want], offset, end)
             offset += want
             yield view[:want]
         return
     data = memoryview(source).cast("B")
     for start in range(0, len(data), CHUNK):
         yield data[start:start + CHUNK]
+
+
+def _read_range(fd: int, view: memoryview, offset: int, end: int) -> None:
+    """Fill `view` from the file at `offset` (the source ends at `end`); RecordError if the file is shorter."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise RecordError(f"source file ended {end - offset - got} bytes early (truncated while read?)")
+        got += n
+
+
+def source_bytes(source: Source) -> bytearray | memoryview:
+    """All the bytes of a source at once (for a whole-row transform such as engine.aux_fp8's)."""
+    if not isinstance(source, tuple):
+        return memoryview(source).cast("B")
+    fd, offset, length = source
+    buffer = bytearray(length)
+    _read_range(fd, memoryview(buffer), offset, offset + length)
+    return buffer
 
 
 _local = threading.local()
@@ -201,6 +216,35 @@ def _f32_finite(chunk: memoryview) -> bool:
         return True
     values = torch.frombuffer(chunk, dtype=torch.float32)
     return bool(torch.isfinite(torch.stack([values.amax(), values.amin()])).all())
+
+
+def quantize_sources(sources: list[Any], hidden_size: int) -> tuple[list[memoryview], memoryview]:
+    """The e4m3 bytes of bf16 aux sources (in order; engine.aux_fp8) and their scales' bytes.
+    RecordError on a NaN or inf (it would hide behind a scale: checked here, before quantizing), or on a
+    source file cut short. Quantized BLOCK_ROWS tokens at a time, so the float32 working copy stays
+    small at any length."""
+    import torch
+
+    from engine.aux_fp8 import BLOCK_ROWS, LAYERS, quantize
+
+    width = LAYERS * hidden_size
+    out, scales = [], []
+    for source in sources:
+        data = source_bytes(source)
+        if not len(data):
+            continue
+        aux = torch.frombuffer(data, dtype=torch.bfloat16).view(-1, width)
+        q = torch.empty(aux.shape, dtype=torch.float8_e4m3fn)
+        s = torch.empty(aux.shape[0], LAYERS, dtype=torch.float32)
+        for start in range(0, aux.shape[0], BLOCK_ROWS):
+            block = aux[start:start + BLOCK_ROWS]
+            if not bool(torch.isfinite(torch.stack([block.amax(), block.amin()]).float()).all()):
+                raise RecordError("non-finite values in the captured states")
+            q[start:start + BLOCK_ROWS], s[start:start + BLOCK_ROWS] = quantize(block, hidden_size)
+        out.append(tensor_bytes(q.view(torch.uint8)))
+        scales.append(s)
+    joined = torch.cat(scales) if scales else torch.zeros(0, LAYERS)
+    return out, tensor_bytes(joined.contiguous())
 
 
 def write_record_stream(run_dir: Path, index: int, sample_id: str, input_ids: bytes | memoryview,
@@ -283,17 +327,13 @@ def write_record(run_dir: Path, index: int, sample_id: str, input_ids, loss_mask
                  hidden_state, aux_format: str = "bf16") -> RecordEntry:
     """Write the record atomically (durable on return) and return its manifest entry (not yet
     appended). RecordError if a state holds NaN or inf, as for a captured record."""
-    from engine.aux_fp8 import quantize_sources
-
     tensors = record_tensors(input_ids, loss_mask, aux_hidden_state, hidden_state)
     tensors = {k: v.cpu() for k, v in tensors.items()}
     hidden = int(tensors["hidden_state"].shape[1])
     aux: list[Source] = [tensor_bytes(tensors["aux_hidden_state"])]
     scale = None
     if aux_format == "fp8":
-        aux, scale, finite = quantize_sources(aux, hidden)
-        if not finite:
-            raise RecordError("non-finite values in the captured states")
+        aux, scale = quantize_sources(aux, hidden)
     return write_record_stream(run_dir, index, sample_id, tensor_bytes(tensors["input_ids"]),
                                tensor_bytes(tensors["loss_mask"]), aux, [tensor_bytes(tensors["hidden_state"])], hidden,
                                aux_format=aux_format, aux_scale=scale)
@@ -398,10 +438,10 @@ def load_record_bytes(data: bytes) -> dict[str, Any]:
     if missing:
         raise RecordError(f"record lacks {', '.join(missing)}")
     if "aux_scale" in tensors:  # fp8 aux states: readers get bf16 (engine.aux_fp8)
-        from engine.aux_fp8 import dequantize
+        from engine.aux_fp8 import LAYERS, dequantize
 
         scale, aux, hidden = tensors.pop("aux_scale"), tensors["aux_hidden_state"], tensors["hidden_state"]
-        if tuple(scale.shape) != (aux.shape[0], 3) or aux.shape[1] != 3 * hidden.shape[1]:
+        if tuple(scale.shape) != (aux.shape[0], LAYERS) or aux.shape[1] != 3 * hidden.shape[1]:
             raise RecordError(f"fp8 record: aux {list(aux.shape)} with scales {list(scale.shape)} and hidden "
                               f"{list(hidden.shape)} do not fit together")
         tensors["aux_hidden_state"] = dequantize(aux, scale, int(hidden.shape[1]))

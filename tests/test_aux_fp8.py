@@ -9,8 +9,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.aux_fp8 import quantize_sources
-from engine.records import RecordError, load_record, record_size, verify_record, write_record, write_record_stream
+from engine.records import (
+    RecordError,
+    load_record,
+    quantize_sources,
+    record_size,
+    verify_record,
+    write_record,
+    write_record_stream,
+)
 from engine.capture.stfile import tensor_bytes
 from engine.system.disk import bytes_per_token
 
@@ -60,8 +67,9 @@ def test_fp8_records_refuse_non_finite_states_and_report_damage(tmp_path):
     aux[2, 7] = float("nan")  # a NaN would hide behind its row's scale: caught before quantizing
     with pytest.raises(RecordError, match="non-finite"):
         write_record(tmp_path, 0, "nan", ids, mask, aux, final, aux_format="fp8")
-    q, scale, finite = quantize_sources([tensor_bytes(_aux(n).contiguous())], H)
-    assert finite
+    with pytest.raises(RecordError, match="non-finite"):
+        quantize_sources([tensor_bytes(aux.contiguous())], H)
+    q, scale = quantize_sources([tensor_bytes(_aux(n).contiguous())], H)  # finite: no RecordError
     damaged = bytearray(q[0])
     damaged[11] = 0x7F  # e4m3fn's NaN
     with pytest.raises(RecordError, match="non-finite"):
@@ -170,10 +178,12 @@ def test_quantizing_a_file_source_in_blocks_equals_quantizing_it_whole(tmp_path)
     path.write_bytes(b"x" * 13 + bytes(tensor_bytes(aux.contiguous())))
     fd = os.open(path, os.O_RDONLY)
     try:
-        q, scale, finite = quantize_sources([(fd, 13, n * 3 * H * 2)], H)
+        q, scale = quantize_sources([(fd, 13, n * 3 * H * 2)], H)  # finite: no RecordError
+        with pytest.raises(RecordError, match="bytes early"):  # a segment cut short, as a bf16 record says
+            quantize_sources([(fd, 13, n * 3 * H * 2 + 2 * 3 * H)], H)
     finally:
         os.close(fd)
     whole_q, whole_s = quantize(aux, H)
-    assert finite and len(q) == 1
+    assert len(q) == 1
     assert bytes(q[0]) == bytes(tensor_bytes(whole_q.view(torch.uint8)))
     assert bytes(scale) == bytes(tensor_bytes(whole_s))

@@ -34,6 +34,7 @@ from engine.extract.verify import check_run, rewrite_manifest, write_bad
 from engine.records import (
     RecordEntry,
     RecordError,
+    quantize_sources,
     read_run_meta,
     save_token_counts,
     write_record_stream,
@@ -379,7 +380,6 @@ class Extractor:
         trusts after a crash (online training's stream). SampleFailed/RecordError: the capture is wrong."""
         import torch
 
-        from engine.aux_fp8 import quantize_sources
         from engine.capture.segments import SegmentError, open_capture, release
 
         try:
@@ -400,9 +400,7 @@ class Extractor:
                 mask = struct.pack(f"<{len(sample.loss_mask)}q", *sample.loss_mask)
                 aux_format, scale = self.cfg.extract.aux_format, None
                 if aux_format == "fp8":  # engine.aux_fp8: the states are read once to quantize them
-                    aux, scale, finite = quantize_sources(aux, hidden)
-                    if not finite:
-                        raise RecordError("non-finite values in the captured states")
+                    aux, scale = quantize_sources(aux, hidden)
                 return write_record_stream(run_dir, index, record_id, capture.input_ids, mask, aux, final, hidden,
                                            sync_dir=sync_dir, durable=durable, aux_format=aux_format, aux_scale=scale)
         finally:
