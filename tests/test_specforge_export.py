@@ -49,15 +49,13 @@ SPECFORGE_MARKER = "specforge/runtime/data_plane/offline_reader.py"
 # ----------------------------------------------------------------------------- a real run
 
 
-@pytest.fixture(scope="module")
-def run_ws(tiny_chat_model_dir, tmp_path_factory):
+def _extracted_ws(root: Path, model_dir: Path, **changes):
     """A workspace whose run1 is a finished real extraction of N_SAMPLES conversations."""
     from engine.extract.job import Extractor
     from engine.server.manager import ServerManager
 
-    root = tmp_path_factory.mktemp("sf_export")
-    ws = make_workspace(root / "ws", tiny_chat_model_dir, **{"dataset.path": "train.jsonl",
-                                                             "extract.concurrency": 2})
+    ws = make_workspace(root / "ws", model_dir, **{"dataset.path": "train.jsonl", "extract.concurrency": 2,
+                                                   **changes})
     write_conversations(ws.root / "train.jsonl", N_SAMPLES)
     manager = ServerManager(ws)
     asyncio.run(manager.start())
@@ -66,6 +64,17 @@ def run_ws(tiny_chat_model_dir, tmp_path_factory):
     finally:
         asyncio.run(manager.stop(grace=5))
     return ws
+
+
+@pytest.fixture(scope="module")
+def run_ws(tiny_chat_model_dir, tmp_path_factory):
+    return _extracted_ws(tmp_path_factory.mktemp("sf_export"), tiny_chat_model_dir)
+
+
+@pytest.fixture(scope="module")
+def run_ws_fp8(tiny_chat_model_dir, tmp_path_factory):
+    """The same, its records' aux states in fp8 (engine.aux_fp8): exported as the bf16 they read back as."""
+    return _extracted_ws(tmp_path_factory.mktemp("sf_export_fp8"), tiny_chat_model_dir, **{"extract.aux_format": "fp8"})
 
 
 def _copy_run(ws, name: str) -> Path:
@@ -253,7 +262,9 @@ torch.save({"batches": batches, "refs": [paths[r.sample_id] for r in refs], "cou
 '''
 
 
-def test_specforge_offline_loader_reads_the_export(specforge_src, run_ws, tmp_path):
+@pytest.mark.parametrize("aux_format", ["bf16", "fp8"])
+def test_specforge_offline_loader_reads_the_export(specforge_src, aux_format, request, tmp_path):
+    run_ws = request.getfixturevalue("run_ws_fp8" if aux_format == "fp8" else "run_ws")
     dest = tmp_path / "sf"
     export_specforge(output_dir_of(run_ws), "run1", dest)
     probe, out = tmp_path / "probe.py", tmp_path / "probe.pt"
