@@ -106,7 +106,7 @@ def _window_budget(ctx: CheckContext) -> CheckResult:
 def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, str]:
     """(tokens, bytes) of the records already in the current run, and a note when some are not counted.
 
-    Records count when the run was made for this model width, max_seq_len and dataset (the
+    Records count when the run was made for this model width, max_seq_len, dataset and aux format (the
     extraction resumes those and writes only the rest); a run made with other settings is
     refused by the extraction, so its records are not counted against the budget.
     """
@@ -123,7 +123,7 @@ def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, str]:
     cfg = ctx.config
     dataset = str(ctx.workspace.path(cfg.dataset.path)) if cfg.dataset.path else ""
     if (meta.get("hidden_size") != hidden or meta.get("max_seq_len") != cfg.dataset.max_seq_len
-            or meta.get("dataset") != dataset):
+            or meta.get("dataset") != dataset or meta.get("aux_format", "bf16") != cfg.extract.aux_format):
         return 0, 0, f"; the records in {run_dir} were made with other settings and are not counted"
     return sum(e.tokens for e in entries.values()), sum(e.bytes for e in entries.values()), ""
 

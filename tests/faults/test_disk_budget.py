@@ -143,3 +143,66 @@ def test_disk_budget_counts_records_already_written(tiny_chat_model_dir, tmp_pat
         assert stage["state"] == "passed", (stage, done.stderr[-2000:])
         assert done.returncode == 0
         ledger.add("disk budget after records written", trials=trials, faults=trials - 1, records=len(plan.samples))
+
+
+def test_fp8_budget_vouches_for_fp8_records_and_bf16_on_the_same_disk_is_red(tiny_chat_model_dir, tmp_path):
+    """`extract.aux_format = "fp8"` budgets 5H + 28 bytes a token. On a disk with room for that and not for
+    bf16's 8H + 16, the stage passes under fp8 and every fp8 record then fits; the same disk under bf16
+    is red (the budget is the format's, not a fixed figure)."""
+    import torch
+
+    from engine.checks.dataset import check_dataset
+    from engine.config import set_value
+    from engine.extract.plan import build_plan
+    from engine.records import append_manifest, record_header, write_record, write_run_meta
+
+    out = tmp_path / "out"
+    with tmpfs(out, "8m"):
+        ws = make_workspace(tmp_path / "ws", tiny_chat_model_dir, **{
+            "dataset.path": "train.jsonl", "extract.output_dir": str(out), "extract.aux_format": "fp8",
+            "extract.disk_reserve_gb": RESERVE / 2**30})
+        write_conversations(ws.root / "train.jsonl", N)
+        assert all(r.status is not Status.FAIL for r in check_dataset(CheckContext(ws)))  # exact token count
+        plan = build_plan(ws)
+        tokens = plan.total_tokens
+        need_fp8 = tokens * bytes_per_token(HIDDEN, "fp8") + 256 * max(tokens // 512, 1)
+        assert _budget(tokens) - need_fp8 > 64 * 1024, "the test needs a clear gap between the two budgets"
+        _leave_free(out, RESERVE + (need_fp8 + _budget(tokens)) // 2)
+        result = _budget_result(ws)
+        assert result.status is Status.PASS, f"{result.status.value}: {result.evidence}"
+        assert fmt_bytes(need_fp8) in result.evidence, result.evidence
+
+        ws.save_config(set_value(ws.config, "extract.aux_format", "bf16"))
+        ws.reload()
+        result = _budget_result(ws)
+        assert result.status is Status.FAIL, result.evidence
+        assert fmt_bytes(_budget(tokens)) in result.evidence, result.evidence
+
+        ws.save_config(set_value(ws.config, "extract.aux_format", "fp8"))
+        ws.reload()
+        write_run_meta(ws.hidden_dir, {"model": str(ws.model_dir), "hidden_size": HIDDEN, "layers": [1, 2, 3],
+                                       "dataset": plan.dataset, "fingerprint": plan.fingerprint,
+                                       "max_seq_len": ws.config.dataset.max_seq_len, "aux_format": "fp8",
+                                       "num_samples": len(plan.samples), "dtype": "bfloat16"})
+        generator, written, headers = torch.Generator().manual_seed(0), 0, 0  # what the fp8 budget vouched for
+        for sample in plan.samples:
+            t = len(sample.input_ids)
+            entry = write_record(ws.hidden_dir, sample.index, sample.id, torch.tensor(sample.input_ids),
+                                 torch.tensor(sample.loss_mask), torch.randn(t, 3 * HIDDEN, generator=generator),
+                                 torch.randn(t, HIDDEN, generator=generator), aux_format="fp8")
+            append_manifest(ws.hidden_dir, entry)
+            written, headers = written + entry.bytes, headers + len(record_header(t, HIDDEN, "fp8"))
+        # The budget's bytes a token are the records' exactly; each record's header (~400 B) is outside it.
+        assert written - headers == tokens * bytes_per_token(HIDDEN, "fp8"), (written, headers, tokens)
+        (ws.hidden_dir / "complete.json").write_text(json.dumps({"samples": len(plan.samples), "bad": 0}))
+        result = _budget_result(ws)
+        assert result.status is Status.PASS and f"all {tokens:,} tokens already written" in result.evidence, \
+            result.evidence
+        # A bf16 extraction would not resume these fp8 records (run.json's aux_format): not counted as written.
+        ws.save_config(set_value(ws.config, "extract.aux_format", "bf16"))
+        ws.reload()
+        result = _budget_result(ws)
+        assert "made with other settings and are not counted" in result.evidence, result.evidence
+    print(f"\n  fp8 budget: {fmt_bytes(need_fp8)} for {tokens:,} tokens (bf16 {fmt_bytes(_budget(tokens))}); "
+          f"records written {fmt_bytes(written)}, {fmt_bytes(headers)} of it headers")
+    ledger.add("fp8 disk budget vs bf16 on one disk", trials=2, faults=1, records=len(plan.samples), losses=0)
