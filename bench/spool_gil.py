@@ -130,7 +130,7 @@ class Feed:
                 for i, rid in enumerate(rids):
                     self.rows.put((rid, i))
             else:
-                self.writer.submit(rids, [self.args.tokens] * self.args.rows, self.ids, self.aux, self.final,
+                self.writer.submit([(rid, 0, self.ids[i], self.aux[i], self.final[i]) for i, rid in enumerate(rids)],
                                    lambda errors: self._done(self.batch_bytes if not any(errors) else 0))
             due += interval
             pause = due - time.perf_counter()

@@ -137,9 +137,10 @@ def test_factory_reads_environment_and_refuses_without_it(tmp_path, monkeypatch)
         hook.close()
 
 
-def test_writer_process_death_and_oversized_batches_fall_back_to_the_thread(tmp_path):
-    """The writer process killed under the hook: what it held is reported (the extraction retries those
-    requests), later batches are written by the hook's thread; a batch larger than a slot is too."""
+def test_oversized_batches_are_cut_into_slots_and_writer_death_falls_back_to_the_thread(tmp_path):
+    """A batch larger than a slot goes to the writer process too, cut into consecutive segments; the
+    writer process killed under the hook: what it held is reported (the extraction retries those
+    requests), later batches are written by the hook's thread."""
     import os
     import signal
     import time
@@ -152,7 +153,8 @@ def test_writer_process_death_and_oversized_batches_fall_back_to_the_thread(tmp_
     run_batch(module, Batch(ForwardMode.EXTEND, ["xa"], [6], [0]), [a])
     assert hook.flush(30) and hook.batches_by_process == 1 and hook.writer_state == "process"
     run_batch(module, Batch(ForwardMode.EXTEND, ["xb"], [20], [0]), [b])  # 20 tokens > an 8-token slot
-    assert hook.flush(30) and hook.batches_by_process == 1 and hook.written == 2
+    assert hook.flush(30) and hook.batches_by_process == 2 and hook.written == 2
+    assert [info.start for info in list_segments(spool, "xb")] == [0, 8, 16]
     pid = hook.writer_pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)

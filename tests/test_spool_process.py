@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.capture.segments import assemble, write_segment
+from engine.capture.segments import assemble, list_segments, write_segment
 from engine.capture.spool_process import SpoolProcessError, SpoolWriterProcess, shm_room_problem
 from engine.client import ServerClient
 
@@ -39,6 +39,11 @@ def _contents(path: Path) -> tuple[dict, dict]:
     with safe_open(str(path), framework="pt") as handle:
         tensors = {key: handle.get_tensor(key).view(torch.uint8).flatten().tolist() for key in handle.keys()}
         return handle.metadata(), tensors
+
+
+def _pieces(rids, lengths, ids, aux, final):
+    """Row i of a padded batch as `submit` takes it: its first lengths[i] tokens, from position 0."""
+    return [(rid, 0, ids[i, :n], aux[i, :n], final[i, :n]) for i, (rid, n) in enumerate(zip(rids, lengths))]
 
 
 class _Replies:
@@ -72,7 +77,7 @@ def test_a_batch_becomes_the_same_files_as_the_in_process_writer(writer, tmp_pat
     ids, aux, final = _batch(4, 12, 16, dtype)
     lengths, rids = [12, 5, 1, 7], ["row-a", "row-b", "../escape", "row-d"]
     replies = _Replies()
-    writer.submit(rids, lengths, ids, aux, final, replies)
+    writer.submit(_pieces(rids, lengths, ids, aux, final), replies)
     errors = replies.wait()
     assert errors[0] is None and errors[1] is None and errors[3] is None
     assert errors[2] is not None and "invalid request id '../escape'" in errors[2]
@@ -95,7 +100,7 @@ def test_nothing_is_left_in_dev_shm_and_close_is_clean(tmp_path):
     assert process.alive and name and name not in os.listdir("/dev/shm"), "the name is dropped once both sides map it"
     replies = _Replies()
     ids, aux, final = _batch(2, 4, 8, torch.float32)
-    process.submit(["a", "b"], [4, 3], ids, aux, final, replies)
+    process.submit(_pieces(["a", "b"], [4, 3], ids, aux, final), replies)
     assert replies.wait() == [None, None]
     pid = process.pid
     process.close(timeout=10)
@@ -103,7 +108,7 @@ def test_nothing_is_left_in_dev_shm_and_close_is_clean(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(SpoolProcessError, match="not running"):
-        process.submit(["c"], [4], ids[:1], aux[:1], final[:1], replies)
+        process.submit(_pieces(["c"], [4], ids, aux, final), replies)
 
 
 def test_a_killed_writer_fails_the_batches_it_held_and_refuses_more(writer):
@@ -113,13 +118,13 @@ def test_a_killed_writer_fails_the_batches_it_held_and_refuses_more(writer):
     ids, aux, final = _batch(3, 6, 8, torch.bfloat16)
     os.kill(writer.pid, signal.SIGSTOP)
     replies = _Replies()
-    writer.submit(["x0", "x1", "x2"], [6, 6, 2], ids, aux, final, replies)
+    writer.submit(_pieces(["x0", "x1", "x2"], [6, 6, 2], ids, aux, final), replies)
     os.kill(writer.pid, signal.SIGKILL)
     errors = replies.wait()
     assert len(errors) == 3 and all("exited (code -9)" in e and "1 batch(es) unwritten" in e for e in errors), errors
     assert not writer.alive and "code -9" in writer.failure
     with pytest.raises(SpoolProcessError, match="exited"):
-        writer.submit(["y"], [6], ids[:1], aux[:1], final[:1], replies)
+        writer.submit(_pieces(["y"], [6], ids, aux, final), replies)
 
 
 def test_submit_waits_for_a_free_slot(tmp_path):
@@ -131,8 +136,8 @@ def test_submit_waits_for_a_free_slot(tmp_path):
         ids, aux, final = _batch(1, 4, 8, torch.float32)
         first, second = _Replies(), _Replies()
         os.kill(process.pid, signal.SIGSTOP)
-        process.submit(["one"], [4], ids, aux, final, first)
-        blocked = threading.Thread(target=process.submit, args=(["two"], [4], ids, aux, final, second))
+        process.submit(_pieces(["one"], [4], ids, aux, final), first)
+        blocked = threading.Thread(target=process.submit, args=(_pieces(["two"], [4], ids, aux, final), second))
         blocked.start()
         blocked.join(1.0)
         assert blocked.is_alive(), "the second batch must wait: the only slot is taken"
@@ -143,11 +148,66 @@ def test_submit_waits_for_a_free_slot(tmp_path):
         process.close(timeout=10)
 
 
-def test_a_batch_larger_than_a_slot_is_refused_without_touching_the_child(writer):
-    ids, aux, final = _batch(4, 512, 64, torch.float32)  # ~2.6 MB, slots are 1 MiB
-    assert not writer.fits(ids, aux, final)
-    with pytest.raises(ValueError, match="larger than a shared-memory slot"):
-        writer.submit(["big"] * 4, [512] * 4, ids, aux, final, _Replies())
+def test_a_batch_larger_than_a_slot_is_cut_into_slots_and_a_long_row_into_segments(tmp_path):
+    """Four rows of 40 tokens through slots of 16: the rows are packed into ten slots (two in the
+    child's hands at a time), each row becomes consecutive segments of its request, and the spool's
+    reader joins them into exactly the row's states. One answer, one entry per row."""
+    ids, aux, final = _batch(4, 40, 8, torch.bfloat16)
+    per_token = 8 + 3 * 8 * 2 + 8 * 2
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=2, threads=2)
+    process.start()
+    try:
+        assert process.tokens_per_slot(per_token) == 16
+        lengths, rids = [40, 33, 17, 1], ["long-a", "long-b", "long-c", "short-d"]
+        replies = _Replies()
+        process.submit(_pieces(rids, lengths, ids, aux, final), replies)
+        assert replies.wait() == [None] * 4
+        assert len(replies.got) == 1, "one answer for the whole submit"
+        starts = {rid: [info.start for info in list_segments(process.spool_dir, rid)] for rid in rids}
+        assert starts["long-a"] == [0, 16, 32], starts  # the first row starts a slot
+        assert all(len(found) >= 2 for rid, found in starts.items() if rid != "short-d"), starts
+        assert starts["short-d"] == [0]
+        for i, rid in enumerate(rids):
+            n = lengths[i]
+            capture = assemble(process.spool_dir, rid, expected_len=n, expected_input_ids=ids[i, :n].tolist())
+            assert torch.equal(capture.aux_hidden_state, aux[i, :n]) and torch.equal(capture.hidden_state, final[i, :n])
+    finally:
+        process.close(timeout=10)
+
+
+def test_a_child_dying_between_slots_answers_every_piece_once(tmp_path):
+    """The first slot is in the (stopped) child's hands and the second waits for a free slot when the
+    child is killed: submit returns without raising, and its one answer gives every piece the exit
+    code, the pieces of the slot never handed over included."""
+    ids, aux, final = _batch(2, 16, 8, torch.float32)
+    per_token = 8 + 3 * 8 * 4 + 8 * 4
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=1, threads=1)
+    process.start()
+    try:
+        os.kill(process.pid, signal.SIGSTOP)
+        replies = _Replies()
+        submitting = threading.Thread(target=process.submit,
+                                      args=(_pieces(["p0", "p1"], [16, 16], ids, aux, final), replies))
+        submitting.start()
+        submitting.join(1.0)
+        assert submitting.is_alive(), "the second slot must wait: the only one is taken"
+        os.kill(process.pid, signal.SIGKILL)
+        submitting.join(30)
+        assert not submitting.is_alive()
+        errors = replies.wait()
+        assert len(replies.got) == 1 and len(errors) == 2
+        assert all(error is not None and "code -9" in error for error in errors), errors
+        with pytest.raises(SpoolProcessError, match="exited"):
+            process.submit(_pieces(["p2"], [4], ids, aux, final), _Replies())
+    finally:
+        process.close(timeout=10)
+
+
+def test_pieces_of_different_widths_are_refused(writer):
+    ids, aux, final = _batch(1, 4, 8, torch.float32)
+    _, wide_aux, wide_final = _batch(1, 4, 16, torch.float32)
+    with pytest.raises(ValueError, match="same dtypes and state widths"):
+        writer.submit([("a", 0, ids[0], aux[0], final[0]), ("b", 0, ids[0], wide_aux[0], wide_final[0])], _Replies())
     assert writer.alive
 
 

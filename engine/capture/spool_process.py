@@ -6,12 +6,14 @@ that launches the model's kernels and from the HTTP loop. On a small, fast targe
 the capture's pace: a writer *thread* takes a Python-bound thread beside it far more of its
 throughput than a writer *process* does (`bench/spool_gil.py`; bench/RESULTS.md, Capture overhead).
 
-Here the server pays per *batch*, not per segment: one copy into a shared-memory slot (a large
-torch copy, outside the GIL), one small message down a pipe, one reply. The child writes the
-rows with `write_segment` (the same files, byte for byte, as the in-process writers) on its own
-threads and answers with one error slot per row. A slot is reused once its reply is back, so at
-most `slots` batches are in the child's hands; `submit` blocks for a free one (backpressure, as
-the writer queue does in-process).
+Here the server pays per *slot*, not per segment: copies into a shared-memory slot (large torch
+copies, outside the GIL), one small message down a pipe, one reply. A batch of any size goes this
+way: its rows are packed into as many slots as they need, a row longer than a slot cut into
+consecutive segments (a batch too large for one slot used to fall back to the server's own writer
+threads, the path this process exists to avoid). The child writes the segments with `write_segment`
+(the same files, byte for byte, as the in-process writers) on its own threads and answers with one
+error per segment. A slot is reused once its reply is back, so at most `slots` slots are in the
+child's hands; `submit` blocks for a free one (backpressure, as the writer queue does in-process).
 
 If the child dies, every batch it held is answered with an error naming the exit code (the
 extraction job retries those requests) and `submit` raises `SpoolProcessError`: the caller
@@ -21,6 +23,7 @@ falls back to in-process writers.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import queue
 import threading
@@ -42,6 +45,31 @@ class SpoolProcessError(EngineError, RuntimeError):
     """The writer process cannot take (more) batches; the message says why and what to do."""
 
 
+# One segment handed to `submit`: rid, start position, ids [n], aux [n, k*H], final [n, H].
+Piece = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class _Gather:
+    """One `submit`'s answer, put together from its slots' replies: one error (or None) per piece,
+    a piece cut over several slots keeping its first error; `on_done` once the last slot is back."""
+
+    def __init__(self, pieces: int, slots: int, on_done: Callable[[list[str | None]], None]) -> None:
+        self.errors: list[str | None] = [None] * pieces
+        self.slots = slots
+        self.on_done = on_done
+        self.lock = threading.Lock()
+
+    def slot_done(self, indices: list[int], errors: list[str | None]) -> None:
+        with self.lock:
+            for index, error in zip(indices, errors):
+                if self.errors[index] is None:
+                    self.errors[index] = error
+            self.slots -= 1
+            last = self.slots == 0
+        if last:
+            self.on_done(self.errors)
+
+
 @dataclass(frozen=True)
 class _Block:
     """Where one tensor of a batch lies in its slot: byte offset, shape, dtype name."""
@@ -49,6 +77,14 @@ class _Block:
     offset: int
     shape: tuple[int, ...]
     dtype: str
+
+
+_BLOCK_SLACK = 3 * 16  # a slot's three blocks (ids, aux, final), each padded to 16 bytes
+
+
+def slot_bytes_for(tokens: int, per_token: int) -> int:
+    """The slot size that holds `tokens` tokens of `per_token` bytes (ids and every state), packed."""
+    return tokens * per_token + _BLOCK_SLACK
 
 
 def shm_room_problem(nbytes: int, directory: str = SHM_DIR) -> str | None:
@@ -204,55 +240,93 @@ class SpoolWriterProcess:
 
     # ---- batches --------------------------------------------------------------------------
 
-    def fits(self, *tensors: torch.Tensor) -> bool:
-        """Whether these tensors, laid out as `submit` lays them (16-byte aligned), fit one slot."""
-        return sum(_padded(t.numel() * t.element_size()) for t in tensors) <= self.slot_bytes
+    def tokens_per_slot(self, per_token: int) -> int:
+        """How many tokens of `per_token` bytes (ids and every state) one slot holds, packed."""
+        return max(0, (self.slot_bytes - _BLOCK_SLACK) // per_token)
 
-    def submit(self, rids: Sequence[str], lengths: Sequence[int], input_ids: torch.Tensor,
-               aux: torch.Tensor, final: torch.Tensor,
-               on_done: Callable[[list[str | None]], None]) -> None:
-        """Hand one batch to the child: row i is `rids[i]`'s segment of `lengths[i]` tokens,
-        `input_ids` [R, W] int64, `aux` [R, W, k*H] and `final` [R, W, H] on the host. Returns
-        once the tensors are copied (the caller may reuse them); `on_done(errors)` is called later,
-        from another thread, with one None or error message per row. Blocks while every slot is in
-        the child's hands. SpoolProcessError if the child is gone (nothing was handed over)."""
-        rows = [(rid, 0, i, int(n)) for i, (rid, n) in enumerate(zip(rids, lengths))]
-        self._hand_over(rows, False, (input_ids, aux, final), on_done)
+    def submit(self, pieces: Sequence[Piece], on_done: Callable[[list[str | None]], None]) -> None:
+        """Hand these segments to the child: piece i is (rid, start position, ids [n], aux [n, k*H],
+        final [n, H]) on the host, views welcome. They are packed one after another into as many slots
+        as they need; a piece longer than a slot's room becomes consecutive segments of its request
+        (the spool's reader joins them, as it joins SGLang's chunked prefill). Returns once every
+        piece is copied into shared memory (the caller may reuse its tensors); blocks while every
+        slot is in the child's hands. `on_done(errors)` is called once, later, from another thread,
+        with one None or error message per piece.
 
-    def submit_packed(self, segments: Sequence[tuple[str, int, int]], input_ids: torch.Tensor,
-                      aux: torch.Tensor, final: torch.Tensor,
-                      on_done: Callable[[list[str | None]], None]) -> None:
-        """As `submit`, for rows packed one after another as SGLang lays out an extend batch:
-        segment i is (rid, start position, tokens), its rows follow segment i-1's in `input_ids` [T],
-        `aux` [T, k*H] and `final` [T, H]; a segment starting past 0 is a chunk of a longer prompt."""
-        rows, offset = [], 0
-        for rid, start, n in segments:
-            rows.append((rid, int(start), offset, int(n)))
-            offset += int(n)
-        self._hand_over(rows, True, (input_ids, aux, final), on_done)
+        SpoolProcessError only when nothing was handed over (the child is gone); if it dies between
+        two slots, the pieces not handed over are answered with that error instead."""
+        if not pieces:
+            on_done([])
+            return
+        plan = self._plan(pieces)
+        if not plan:  # pieces of no tokens: nothing to write
+            on_done([None] * len(pieces))
+            return
+        gather = _Gather(len(pieces), len(plan), on_done)
+        for number, parts in enumerate(plan):
+            try:
+                self._hand_over(pieces, parts, gather)
+            except SpoolProcessError as exc:
+                if number == 0:
+                    raise
+                for later in plan[number:]:
+                    gather.slot_done([index for index, *_ in later], [f"capture write failed: {exc}"] * len(later))
+                return
 
-    def _hand_over(self, rows: list[tuple[str, int, int, int]], packed: bool, tensors: tuple[torch.Tensor, ...],
-                   on_done: Callable[[list[str | None]], None]) -> None:
+    def _plan(self, pieces: Sequence[Piece]) -> list[list[tuple[int, int, int]]]:
+        """Pieces cut into slots: per slot, (piece index, first token, tokens) in packing order."""
+        _, _, ids, aux, final = pieces[0]
+        widths = (ids.dtype, aux.shape[-1], aux.dtype, final.shape[-1], final.dtype)
+        if any((p[2].dtype, p[3].shape[-1], p[3].dtype, p[4].shape[-1], p[4].dtype) != widths for p in pieces):
+            raise ValueError("every piece of one submit needs the same dtypes and state widths")
+        per_token = ids.element_size() + aux.shape[-1] * aux.element_size() + final.shape[-1] * final.element_size()
+        room = self.tokens_per_slot(per_token)
+        if room < 1:
+            raise ValueError(f"a shared-memory slot of {self.slot_bytes} bytes holds no token of {per_token} bytes")
+        plan: list[list[tuple[int, int, int]]] = [[]]
+        free = room
+        for index, (_, _, ids, aux, final) in enumerate(pieces):
+            n = int(ids.shape[0])
+            if aux.shape[0] != n or final.shape[0] != n:
+                raise ValueError(f"piece {index}: ids, aux and final disagree on the token count")
+            done = 0
+            while done < n:
+                if free == 0:
+                    plan.append([])
+                    free = room
+                take = min(free, n - done)
+                plan[-1].append((index, done, take))
+                done += take
+                free -= take
+        return [parts for parts in plan if parts]
+
+    def _hand_over(self, pieces: Sequence[Piece], parts: list[tuple[int, int, int]], gather: _Gather) -> None:
         if self._dead is not None or self._arena is None:
             raise SpoolProcessError(self._dead or "the capture writer process is not running")
-        if not self.fits(*tensors):
-            raise ValueError("batch larger than a shared-memory slot: check fits() first")
+        _, _, ids, aux, final = pieces[parts[0][0]]
+        tokens = sum(n for *_, n in parts)
+        blocks, offset = [], 0
+        for like, shape in ((ids, (tokens,)), (aux, (tokens, aux.shape[-1])), (final, (tokens, final.shape[-1]))):
+            blocks.append(_Block(offset, shape, str(like.dtype).removeprefix("torch.")))
+            offset += _padded(math.prod(shape) * like.element_size())
         slot = self._free.get()
         base = slot * self.slot_bytes
-        blocks, offset = [], 0
-        for tensor in tensors:
-            block = _Block(offset, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-            _view(self._arena, base, block).copy_(tensor)  # one large copy, outside the GIL
-            blocks.append(block)
-            offset += _padded(tensor.numel() * tensor.element_size())
+        views = [_view(self._arena, base, block) for block in blocks]
+        rows, at = [], 0
+        for index, first, n in parts:
+            rid, start, *tensors = pieces[index]
+            for view, tensor in zip(views, tensors):
+                view[at:at + n].copy_(tensor[first:first + n])  # large copies, outside the GIL
+            rows.append((rid, int(start) + first, at, n))
+            at += n
         batch_id = next(self._ids)
         with self._lock:
             if self._dead is not None:
                 self._free.put(slot)
                 raise SpoolProcessError(self._dead)
-            self._pending[batch_id] = (slot, on_done, len(rows))
+            self._pending[batch_id] = (slot, lambda errors: gather.slot_done([i for i, *_ in parts], errors), len(rows))
             try:
-                self._conn.send((batch_id, base, rows, packed, blocks))
+                self._conn.send((batch_id, base, rows, blocks))
             except OSError as exc:
                 del self._pending[batch_id]
                 self._free.put(slot)
@@ -305,14 +379,13 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
             return f"capture write failed: {one_line(exc)}"
         return None
 
-    def write_batch(batch_id: int, base: int, segments: list[tuple[str, int, int, int]], packed: bool,
+    def write_batch(batch_id: int, base: int, segments: list[tuple[str, int, int, int]],
                     blocks: list[_Block]) -> None:
         ids, aux, final = (_view(arena, base, block) for block in blocks)
 
         def one(segment: tuple[str, int, int, int]) -> str | None:
-            rid, start, at, n = segment  # packed: rows at..at+n; padded: row `at`, its first n
-            pick = (slice(at, at + n),) if packed else (at, slice(0, n))
-            return write_row(ids[pick], aux[pick], final[pick], rid, start)
+            rid, start, at, n = segment  # its tokens are rows at..at+n of the slot
+            return write_row(ids[at:at + n], aux[at:at + n], final[at:at + n], rid, start)
 
         errors = list(rows.map(one, segments))
         with send_lock:

@@ -87,12 +87,12 @@ class CaptureSink:
     def _start_process(self, state_bytes: int, slot_tokens: int) -> bool:
         """Start the writer process; False (and `note` says why) to stay with threads. `state_bytes`:
         one token's hidden state; a slot holds `slot_tokens` tokens of every captured state."""
-        from engine.capture.spool_process import SpoolProcessError, SpoolWriterProcess
+        from engine.capture.spool_process import SpoolProcessError, SpoolWriterProcess, slot_bytes_for
 
         assert self.config is not None
         per_token = (len(self.config.layers) + 1) * state_bytes + 8  # + the int64 id
         writer = SpoolWriterProcess(self.config.spool_dir, self.config.layers,
-                                    slot_bytes=slot_tokens * per_token + 64, threads=self.writers,
+                                    slot_bytes=slot_bytes_for(slot_tokens, per_token), threads=self.writers,
                                     on_failure=lambda reason: print(f"capture: {reason}; threads write the "
                                                                     "segments from now on", file=sys.stderr))
         try:
@@ -153,8 +153,8 @@ class CaptureSink:
             try:
                 if copied is not None and not copied.query():
                     copied.synchronize()
-                writer.submit([completion.request.rid for completion, _ in batch], [n for _, n in batch],
-                              ids, aux, final, answer)
+                writer.submit([(completion.request.rid, 0, ids[i, :n], aux[i, :n], final[i, :n])
+                               for i, (completion, n) in enumerate(batch)], answer)
                 continue
             except SpoolProcessError:
                 pass  # the child is gone (on_failure said so): this thread writes the batch
@@ -184,7 +184,7 @@ class CaptureSink:
     def queue_batch(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
         """The graph path's captures, and every batch's while the writer process runs: one pinned
         buffer and one copy per batch for each of the aux and final states, handed to the writer
-        process whole or to the writer threads as per-row views.
+        process (which cuts it into slots) or to the writer threads as per-row views.
 
         Why per batch: a small target replays its prefill in one launch, so the per-row work of
         `queue_rows` (each torch call a GIL hand-off the model thread waits to get back) becomes
@@ -211,14 +211,12 @@ class CaptureSink:
         else:  # CPU (tests): the new tensors are the host buffers
             aux, final, copied = aux_states, final_states, None
         del aux_states, final_states
-        writer = self._live_process()
-        if writer is not None:
-            ids = host_ids[rows, :width]
-            if writer.fits(ids, aux, final):
-                for row in rows:
-                    completions[row].capture_queued = True
-                self._batch_queue.put(([(completions[row], lengths[row]) for row in rows], ids, aux, final, copied))
-                return
+        if self._live_process() is not None:  # any size: the writer process cuts it into slots
+            for row in rows:
+                completions[row].capture_queued = True
+            self._batch_queue.put(([(completions[row], lengths[row]) for row in rows], host_ids[rows, :width],
+                                   aux, final, copied))
+            return
         for i, row in enumerate(rows):
             n = lengths[row]
             completions[row].capture_queued = True

@@ -25,7 +25,7 @@ from engine.localserver.loading import ModelInfo, load_model
 from engine.localserver.requests import Completion, GenRequest, TokenEvent
 from engine.localserver.sampling import make_generator, pick_token
 from engine.localserver.scheduler import Scheduler
-from engine.localserver.settings import SPOOL_SLOT_TOKENS
+from engine.localserver.settings import SPOOL_SLOT_TOKENS, capture_slot_tokens
 from engine.localserver.stats import RunnerMetrics
 
 
@@ -90,7 +90,8 @@ class ModelRunner:
 
     def start(self) -> None:
         graphs = self.prefill_graphs
-        slot_tokens = graphs.max_tokens if graphs is not None and graphs.enabled else SPOOL_SLOT_TOKENS
+        slot_tokens = capture_slot_tokens(graphs.max_tokens if graphs is not None and graphs.enabled
+                                          else SPOOL_SLOT_TOKENS)
         state_bytes = self._info.hidden_size * self.model.dtype.itemsize if self._info is not None else 0
         loops = self.scheduler.loops(self._run_group_safely, on_stop=self.sink.close)
         loops += self.sink.start(state_bytes, slot_tokens)

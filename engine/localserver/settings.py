@@ -9,8 +9,9 @@ DEFAULT_CAPTURE_WRITERS = 4
 CAPTURE_WRITER_MODES = ("threads", "process")
 
 # Tokens one shared-memory slot holds when no prefill graphs set the size (CPU, graphs off); with
-# graphs, their largest bucket. Larger (eager) batches are written by the in-process threads.
+# graphs, their largest bucket. A larger (eager) batch is cut into several slots.
 SPOOL_SLOT_TOKENS = 8192
+SLOT_TOKENS_ENV = "EAGLE3_CAPTURE_SLOT_TOKENS"  # the same setting as the SGLang hook's
 
 
 def capture_writer_count() -> int:
@@ -37,3 +38,17 @@ def capture_writer_mode() -> str:
     print(f"EAGLE3_CAPTURE_WRITER={raw!r} is not one of {', '.join(CAPTURE_WRITER_MODES)}: using process",
           file=sys.stderr)
     return "process"
+
+
+def capture_slot_tokens(default: int) -> int:
+    """Tokens a shared-memory slot of the writer process holds: EAGLE3_CAPTURE_SLOT_TOKENS if set
+    (1..1,048,576), else `default`. Smaller slots cost less shared memory; a batch that does not fit
+    one is cut into several."""
+    raw = os.environ.get(SLOT_TOKENS_ENV, "").strip()
+    if not raw:
+        return default
+    if raw.isdigit() and 1 <= int(raw) <= 1 << 20:
+        return int(raw)
+    print(f"{SLOT_TOKENS_ENV}={raw!r} is not a whole number of tokens from 1 to 1048576: using {default}",
+          file=sys.stderr)
+    return default

@@ -23,8 +23,9 @@ host memory, a CUDA event marks the copy, and a daemon thread waits on the event
 to a writer *process* (engine.capture.spool_process, the local server's design): here the hook shares
 the GIL with SGLang's scheduler, and a writer thread's system calls would take it from the thread that
 launches the model. One copy into shared memory and one pipe message per batch; the child writes the
-segments. Until the child is up (it starts on the first captured batch), when a batch is larger than
-its slot, or if it dies, the thread writes the segments itself (`EAGLE3_CAPTURE_WRITER=threads` always, as for the local server).
+segments; a batch larger than a slot is cut into several. Until the child is up (it starts on the
+first captured batch), or if it dies, the thread writes the segments itself
+(`EAGLE3_CAPTURE_WRITER=threads` always, as for the local server).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ ENV_SPOOL = "EAGLE3_CAPTURE_SPOOL"
 ENV_LAYERS = "EAGLE3_CAPTURE_LAYERS"
 ENV_WRITER = "EAGLE3_CAPTURE_WRITER"  # "process" (default) or "threads", as for the local server
 ENV_SLOT_TOKENS = "EAGLE3_CAPTURE_SLOT_TOKENS"  # tokens one shared-memory slot holds (an extend batch's)
-DEFAULT_SLOT_TOKENS = 8192  # SGLang's chunked prefill size on most GPUs: a whole extend batch fits
+DEFAULT_SLOT_TOKENS = 8192  # SGLang's chunked prefill size on most GPUs: most extend batches fit one slot
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 _GENERATED_RID = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex, what SGLang assigns when no rid is given
 MAX_PENDING_BATCHES = 256  # beyond this the forward blocks rather than exhausting pinned memory
@@ -235,23 +236,28 @@ class CaptureHook:
         from engine.capture.spool_process import SpoolProcessError
 
         process = self._live_process(pending)
-        if process is None or not process.fits(pending.ids, pending.aux, pending.final):
+        if process is None:
             return False
+        pieces, offset = [], 0
+        for rid, start, n in pending.segments:
+            rows = slice(offset, offset + n)
+            pieces.append((rid, start, pending.ids[rows], pending.aux[rows], pending.final[rows]))
+            offset += n
         try:
-            process.submit_packed(pending.segments, pending.ids, pending.aux, pending.final,
-                                  lambda errors: self._process_done(pending, errors))
+            process.submit(pieces, lambda errors: self._process_done(pending, errors))
         except SpoolProcessError as exc:
             self._process_gone(str(exc))
             return False
         return True
 
     def _live_process(self, pending: _Pending) -> Any:
-        from engine.capture.spool_process import SpoolWriterProcess
+        from engine.capture.spool_process import SpoolWriterProcess, slot_bytes_for
 
         if self._process_state == "not started":
             per_token = (pending.ids.element_size() + pending.aux.shape[-1] * pending.aux.element_size()
                          + pending.final.shape[-1] * pending.final.element_size())
-            process = SpoolWriterProcess(self.spool_dir, self.layers, slot_bytes=self.slot_tokens * per_token + 256,
+            process = SpoolWriterProcess(self.spool_dir, self.layers,
+                                         slot_bytes=slot_bytes_for(self.slot_tokens, per_token),
                                          on_failure=self._process_gone)
             try:
                 process.start()
