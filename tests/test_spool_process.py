@@ -203,6 +203,48 @@ def test_a_child_dying_between_slots_answers_every_piece_once(tmp_path):
         process.close(timeout=10)
 
 
+def test_close_right_after_submit_still_writes_the_filled_slots(tmp_path):
+    """Filled slots wait for the sender thread; closing at once must send them first, not drop them."""
+    ids, aux, final = _batch(3, 20, 8, torch.float32)
+    per_token = 8 + 3 * 8 * 4 + 8 * 4
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=4, threads=2)
+    process.start()
+    replies = _Replies()
+    process.submit(_pieces(["c0", "c1", "c2"], [20, 20, 20], ids, aux, final), replies)
+    process.close(timeout=30)
+    assert replies.wait() == [None, None, None] and process.failure is None
+    for i in range(3):
+        capture = assemble(process.spool_dir, f"c{i}", expected_len=20, expected_input_ids=ids[i].tolist())
+        assert torch.equal(capture.aux_hidden_state, aux[i]) and torch.equal(capture.hidden_state, final[i])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU box)")
+def test_device_states_are_copied_straight_into_the_pinned_arena(tmp_path):
+    """CUDA pieces: the arena is registered with CUDA on first use and the copies land in it
+    asynchronously, on a side stream as the server issues them; the source tensors are dropped by
+    the caller at once (the writer keeps them alive until the copies have landed). The files equal
+    the device states, across several slots."""
+    ids, aux, final = _batch(4, 40, 64, torch.bfloat16, seed=3)
+    per_token = 8 + 3 * 64 * 2 + 64 * 2
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=32 * per_token + 48, slots=3, threads=2)
+    process.start()
+    try:
+        stream = torch.cuda.Stream()
+        replies = _Replies()
+        device_aux, device_final = aux.cuda(), final.cuda()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            process.submit(_pieces(["g0", "g1", "g2", "g3"], [40, 39, 1, 25], ids, device_aux, device_final), replies)
+        del device_aux, device_final
+        assert replies.wait() == [None] * 4 and process.pinned
+        for i, n in enumerate([40, 39, 1, 25]):
+            capture = assemble(process.spool_dir, f"g{i}", expected_len=n, expected_input_ids=ids[i, :n].tolist())
+            assert torch.equal(capture.aux_hidden_state, aux[i, :n]) and torch.equal(capture.hidden_state, final[i, :n])
+    finally:
+        process.close(timeout=10)
+    assert not process.pinned
+
+
 def test_pieces_of_different_widths_are_refused(writer):
     ids, aux, final = _batch(1, 4, 8, torch.float32)
     _, wide_aux, wide_final = _batch(1, 4, 16, torch.float32)

@@ -70,6 +70,23 @@ class _Gather:
             self.on_done(self.errors)
 
 
+@dataclass
+class _Filled:
+    """A slot whose copies are queued: what the child needs to write it, and whom to answer."""
+
+    slot: int
+    base: int
+    rows: list[tuple[str, int, int, int]]
+    blocks: list[_Block]
+    pieces: list[int]  # index of each row's piece in its submit
+    gather: _Gather
+    landed: Any  # torch.cuda.Event after the copies, or None (host copies are done)
+    keep: list  # the source tensors, alive until the copies have landed
+
+    def answer(self, errors: list[str | None]) -> None:
+        self.gather.slot_done(self.pieces, errors)
+
+
 @dataclass(frozen=True)
 class _Block:
     """Where one tensor of a batch lies in its slot: byte offset, shape, dtype name."""
@@ -144,6 +161,11 @@ class SpoolWriterProcess:
         self._ids = itertools.count()
         self._dead: str | None = None
         self._unlinked = False
+        # Filled slots wait here for their device-to-host copies to land; the sender thread then
+        # hands them to the child in order.
+        self._outbox: queue.Queue[_Filled | None] = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self._registered: bool | None = None  # arena pinned for CUDA copies: None = not tried yet
 
     @property
     def arena_name(self) -> str | None:
@@ -188,6 +210,8 @@ class SpoolWriterProcess:
             self._free.put(slot)
         self._reader = threading.Thread(target=self._read_replies, name="capture-spool-replies", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_filled, name="capture-spool-sender", daemon=True)
+        self._sender.start()
 
     @property
     def alive(self) -> bool:
@@ -204,8 +228,16 @@ class SpoolWriterProcess:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is registered with CUDA, so device states are copied straight into it."""
+        return bool(self._registered)
+
     def close(self, timeout: float = 30.0) -> None:
         """Let the child finish the batches it holds, stop it, free the shared memory."""
+        if self._sender is not None:
+            self._outbox.put(None)  # the slots filled before the close still go out
+            self._sender.join(timeout)
         if self._conn is not None and self._dead is None:
             try:
                 with self._lock:
@@ -221,6 +253,9 @@ class SpoolWriterProcess:
             self._reader.join(timeout)
         if self._conn is not None:
             self._conn.close()
+        if self._registered and self._arena is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+            self._registered = False
         self._arena = None  # the buffer cannot be closed while a tensor still exports it
         if self._shm is not None:
             self._unlink()  # if start failed before it did
@@ -248,10 +283,12 @@ class SpoolWriterProcess:
         """Hand these segments to the child: piece i is (rid, start position, ids [n], aux [n, k*H],
         final [n, H]) on the host, views welcome. They are packed one after another into as many slots
         as they need; a piece longer than a slot's room becomes consecutive segments of its request
-        (the spool's reader joins them, as it joins SGLang's chunked prefill). Returns once every
-        piece is copied into shared memory (the caller may reuse its tensors); blocks while every
-        slot is in the child's hands. `on_done(errors)` is called once, later, from another thread,
-        with one None or error message per piece.
+        (the spool's reader joins them, as it joins SGLang's chunked prefill). Host pieces are copied
+        before this returns (the caller may reuse them). CUDA pieces are copied on the current stream,
+        straight into the arena (registered with CUDA on first use): the copies are queued, a slot goes
+        to the child once its copies have landed, and the pieces are kept alive until then. Blocks
+        while every slot is in the child's hands. `on_done(errors)` is called once, later, from
+        another thread, with one None or error message per piece.
 
         SpoolProcessError only when nothing was handed over (the child is gone); if it dies between
         two slots, the pieces not handed over are answered with that error instead."""
@@ -309,28 +346,61 @@ class SpoolWriterProcess:
         for like, shape in ((ids, (tokens,)), (aux, (tokens, aux.shape[-1])), (final, (tokens, final.shape[-1]))):
             blocks.append(_Block(offset, shape, str(like.dtype).removeprefix("torch.")))
             offset += _padded(math.prod(shape) * like.element_size())
+        on_device = any(tensor.is_cuda for index, *_ in parts for tensor in pieces[index][2:])
+        if on_device:
+            self._register()
         slot = self._free.get()
+        if self._dead is not None:
+            self._free.put(slot)
+            raise SpoolProcessError(self._dead)
         base = slot * self.slot_bytes
         views = [_view(self._arena, base, block) for block in blocks]
-        rows, at = [], 0
+        rows, at, keep = [], 0, []
         for index, first, n in parts:
             rid, start, *tensors = pieces[index]
             for view, tensor in zip(views, tensors):
-                view[at:at + n].copy_(tensor[first:first + n])  # large copies, outside the GIL
+                # Large copies, outside the GIL; from the device, asynchronous when the arena is pinned.
+                view[at:at + n].copy_(tensor[first:first + n], non_blocking=tensor.is_cuda)
+            keep.append(tensors)
             rows.append((rid, int(start) + first, at, n))
             at += n
-        batch_id = next(self._ids)
-        with self._lock:
-            if self._dead is not None:
-                self._free.put(slot)
-                raise SpoolProcessError(self._dead)
-            self._pending[batch_id] = (slot, lambda errors: gather.slot_done([i for i, *_ in parts], errors), len(rows))
+        landed = None
+        if on_device:
+            landed = torch.cuda.Event(blocking=True)  # the sender sleeps on it instead of spinning a core
+            landed.record()
+        self._outbox.put(_Filled(slot, base, rows, blocks, [i for i, *_ in parts], gather, landed, keep))
+
+    def _register(self) -> None:
+        """Pin the arena for CUDA once, so device-to-host copies land in it directly and
+        asynchronously; if CUDA refuses, the copies still land, synchronously."""
+        if self._registered is None and self._arena is not None:
+            code = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
+            self._registered = int(code) == 0
+
+    def _send_filled(self) -> None:
+        """Hands each filled slot to the child once its copies have landed, in the order filled."""
+        while (filled := self._outbox.get()) is not None:
+            error = None
             try:
-                self._conn.send((batch_id, base, rows, blocks))
-            except OSError as exc:
-                del self._pending[batch_id]
-                self._free.put(slot)
-                raise SpoolProcessError(f"the capture writer process is gone: {exc}") from None
+                if filled.landed is not None:
+                    filled.landed.synchronize()
+            except Exception as exc:  # the copies failed on the device
+                error = f"capture copy failed: {one_line(exc)}"
+            filled.keep.clear()  # the device states may be freed now
+            batch_id = next(self._ids)
+            with self._lock:
+                if error is None and self._dead is not None:
+                    error = f"capture write failed: {self._dead}"
+                if error is None:
+                    self._pending[batch_id] = (filled.slot, filled.answer, len(filled.rows))
+                    try:
+                        self._conn.send((batch_id, filled.base, filled.rows, filled.blocks))
+                    except OSError as exc:
+                        del self._pending[batch_id]
+                        error = f"capture write failed: the capture writer process is gone ({exc})"
+            if error is not None:
+                self._free.put(filled.slot)
+                filled.answer([error] * len(filled.rows))
 
     def _read_replies(self) -> None:
         clean = False

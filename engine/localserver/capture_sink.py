@@ -1,9 +1,10 @@
 """Where the captured states go after a prefill: device-to-host copies, then spool segments.
 
-*Writer* threads turn captures into spool segments (bounded queue, so a slow disk pushes back on
-the model thread instead of filling memory). With the process writer (the default), a *feeder*
-thread hands whole batches to a child process through shared memory instead
-(engine/capture/spool_process.py); if the child dies, the threads take over.
+With the process writer (the default), the model thread copies each captured batch from the device
+straight into the shared-memory slots of a child process that writes the segments
+(engine/capture/spool_process.py); the copies run on a side stream and a full set of slots pushes back
+on the model thread. Otherwise, or if the child dies, *writer* threads turn pinned host copies into
+spool segments (bounded queue, so a slow disk pushes back on the model thread instead of filling memory).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from engine.errors import one_line
 from engine.localserver.requests import Completion
-from engine.localserver.settings import capture_writer_count, capture_writer_mode
+from engine.localserver.settings import CAPTURE_SLOTS, capture_writer_count, capture_writer_mode
 
 
 @dataclass
@@ -54,7 +55,6 @@ class CaptureSink:
         self.mode = capture_writer_mode()
         self.note = ""  # why the process writer is not in use, when it was asked for
         self._write_queue: queue.Queue[tuple | None] = queue.Queue(maxsize=max(queue_size, 2 * self.writers))
-        self._batch_queue: queue.Queue[tuple | None] = queue.Queue(maxsize=2)
         self._process: Any = None  # SpoolWriterProcess while it takes batches
         self._copy_stream: Any = None  # CUDA stream for device-to-host copies of captured states
 
@@ -64,15 +64,14 @@ class CaptureSink:
         """Start the writer process if it is wanted; returns the loops the caller runs as threads.
         Several writers: safetensors writes outside the GIL, so segments of one batch are written in
         parallel while the model runs the next one."""
-        loops = [(self._writer_loop, f"capture-writer-{i}") for i in range(self.writers)]
-        if self.config is not None and self.mode == "process" and self._start_process(state_bytes, slot_tokens):
-            loops.append((self._feeder_loop, "capture-feeder"))
-        return loops
+        if self.config is not None and self.mode == "process":
+            self._start_process(state_bytes, slot_tokens)
+        return [(self._writer_loop, f"capture-writer-{i}") for i in range(self.writers)]
 
     def close(self) -> None:
         """Ask the loops to finish what is queued and return."""
         if self._process is not None:
-            self._batch_queue.put(None)
+            self._process.close()  # after the slots already filled are written
         for _ in range(self.writers):
             self._write_queue.put(None)
 
@@ -92,7 +91,8 @@ class CaptureSink:
         assert self.config is not None
         per_token = (len(self.config.layers) + 1) * state_bytes + 8  # + the int64 id
         writer = SpoolWriterProcess(self.config.spool_dir, self.config.layers,
-                                    slot_bytes=slot_bytes_for(slot_tokens, per_token), threads=self.writers,
+                                    slot_bytes=slot_bytes_for(slot_tokens, per_token), slots=CAPTURE_SLOTS,
+                                    threads=self.writers,
                                     on_failure=lambda reason: print(f"capture: {reason}; threads write the "
                                                                     "segments from now on", file=sys.stderr))
         try:
@@ -133,38 +133,6 @@ class CaptureSink:
         else:
             completion.finish_capture()
 
-    def _feeder_loop(self) -> None:
-        """Hands each captured batch to the writer process once its host copies have landed."""
-        from engine.capture.spool_process import SpoolProcessError
-
-        assert self._process is not None
-        writer = self._process
-        while True:
-            item = self._batch_queue.get()
-            if item is None:
-                writer.close()
-                return
-            batch, ids, aux, final, copied = item
-
-            def answer(errors: list[str | None], batch: list = batch) -> None:
-                for (completion, _), error in zip(batch, errors):
-                    completion.finish_capture(error=error)
-
-            try:
-                if copied is not None and not copied.query():
-                    copied.synchronize()
-                writer.submit([(completion.request.rid, 0, ids[i, :n], aux[i, :n], final[i, :n])
-                               for i, (completion, n) in enumerate(batch)], answer)
-                continue
-            except SpoolProcessError:
-                pass  # the child is gone (on_failure said so): this thread writes the batch
-            except Exception as exc:  # the batch's forward or copies failed on the device
-                answer([f"capture write failed: {one_line(exc)}"] * len(batch))
-                continue
-            # Later batches go to the writer threads (`queue_batch` sees the child dead).
-            for i, (completion, n) in enumerate(batch):
-                self._write_here(completion, ids[i, :n], aux[i, :n], final[i, :n])
-
     # ---- from the model thread --------------------------------------------------------
 
     def _copy_stream_after(self, *device_tensors: Any) -> Any:
@@ -182,9 +150,10 @@ class CaptureSink:
         return self._copy_stream
 
     def queue_batch(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
-        """The graph path's captures, and every batch's while the writer process runs: one pinned
-        buffer and one copy per batch for each of the aux and final states, handed to the writer
-        process (which cuts it into slots) or to the writer threads as per-row views.
+        """The graph path's captures, and every batch's while the writer process runs. To the writer
+        process: each row's states copied from the device straight into its shared-memory slots (the
+        process cuts the batch into slots; no pinned buffer between). To the writer threads: one pinned
+        buffer and one copy per batch for each of the aux and final states, written as per-row views.
 
         Why per batch: a small target replays its prefill in one launch, so the per-row work of
         `queue_rows` (each torch call a GIL hand-off the model thread waits to get back) becomes
@@ -200,10 +169,13 @@ class CaptureSink:
             pick = slice(0, len(rows))
         else:
             pick = torch.tensor(rows, device=states["final"].device)
-        # New tensors on the compute stream, not views: the next replay overwrites the graph's outputs
-        # while the copy stream still reads these.
+        # New tensors on the compute stream, never views (`contiguous` would return the graph's own
+        # output when the batch fills its bucket): the next replay overwrites the graph's outputs while
+        # the copy stream still reads these.
         aux_states = torch.cat([states[f"layer{layer}"][pick, :width] for layer in self.config.layers], dim=-1)
-        final_states = states["final"][pick, :width].contiguous()
+        final_states = states["final"][pick, :width].clone(memory_format=torch.contiguous_format)
+        if self._to_process(completions, rows, lengths, host_ids, aux_states, final_states):
+            return
         if final_states.is_cuda:
             with torch.cuda.stream(self._copy_stream_after(aux_states, final_states)):
                 aux, final = pinned_copy(aux_states), pinned_copy(final_states)
@@ -211,16 +183,39 @@ class CaptureSink:
         else:  # CPU (tests): the new tensors are the host buffers
             aux, final, copied = aux_states, final_states, None
         del aux_states, final_states
-        if self._live_process() is not None:  # any size: the writer process cuts it into slots
-            for row in rows:
-                completions[row].capture_queued = True
-            self._batch_queue.put(([(completions[row], lengths[row]) for row in rows], host_ids[rows, :width],
-                                   aux, final, copied))
-            return
         for i, row in enumerate(rows):
             n = lengths[row]
             completions[row].capture_queued = True
             self._write_queue.put((completions[row], host_ids[row, :n], aux[i, :n], final[i, :n], copied))
+
+    def _to_process(self, completions, rows, lengths, host_ids, aux_states: Any, final_states: Any) -> bool:
+        """Hand a batch's captured rows to the writer process; False: the writer threads take it."""
+        import torch
+
+        from engine.capture.spool_process import SpoolProcessError
+
+        writer = self._live_process()
+        if writer is None:
+            return False
+        batch = [completions[row] for row in rows]
+        pieces = [(completion.request.rid, 0, host_ids[row, :lengths[row]], aux_states[i, :lengths[row]],
+                   final_states[i, :lengths[row]]) for i, (completion, row) in enumerate(zip(batch, rows))]
+
+        def answer(errors: list[str | None]) -> None:
+            for completion, error in zip(batch, errors):
+                completion.finish_capture(error=error)
+
+        for completion in batch:
+            completion.capture_queued = True
+        try:
+            if final_states.is_cuda:
+                with torch.cuda.stream(self._copy_stream_after(aux_states, final_states)):
+                    writer.submit(pieces, answer)
+            else:
+                writer.submit(pieces, answer)
+        except SpoolProcessError:  # the child is gone (on_failure said so): the threads take the batch
+            return False
+        return True
 
     def queue_rows(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
         """Queue an eager batch's captured rows; `states` maps hook keys to [B, W, ...] tensors."""

@@ -12,6 +12,10 @@ CAPTURE_WRITER_MODES = ("threads", "process")
 # graphs, their largest bucket. A larger (eager) batch is cut into several slots.
 SPOOL_SLOT_TOKENS = 8192
 SLOT_TOKENS_ENV = "EAGLE3_CAPTURE_SLOT_TOKENS"  # the same setting as the SGLang hook's
+# Slots of the writer process: the model thread copies a batch into free slots and waits when none
+# is free, so there is room for two batches of four slots each (a 1B target's 16 x 2,048-token
+# batch) while the child writes.
+CAPTURE_SLOTS = 9
 
 
 def capture_writer_count() -> int:
