@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
-from engine.system.disk import bytes_per_token, fmt_bytes, usage_for
+from engine.system.disk import bytes_per_token, fmt_bytes, records_bytes, usage_for
 
 GIB = 2**30
 
@@ -42,16 +42,27 @@ def _writable(label: str, path: Path, create: bool) -> CheckResult:
 
 def estimate_tokens(ctx: CheckContext) -> tuple[int, str]:
     """Tokens the extraction will capture: exact from the dataset stage if it ran, else estimated."""
+    tokens, _, source = estimate_extraction(ctx)
+    return tokens, source
+
+
+def estimate_extraction(ctx: CheckContext) -> tuple[int, int, str]:
+    """(tokens, records, where the figures come from) of the extraction: exact from the dataset
+    stage if it ran, else estimated from the file's size."""
     from engine.dataset.stats_cache import load_cached_stats  # written by the dataset stage
 
     stats = load_cached_stats(ctx.workspace)
     if stats is not None:
-        return stats["total_tokens_after_truncation"], "from the dataset stage"
+        tokens = stats["total_tokens_after_truncation"]
+        samples = stats.get("samples")
+        return tokens, samples if isinstance(samples, int) else max(tokens // 512, 1), "from the dataset stage"
     path = ctx.workspace.path(ctx.config.dataset.path) if ctx.config.dataset.path else None
     if path is None or not path.is_file():
-        return 0, "no dataset yet"
-    # ~3.5 bytes of JSONL per token is typical for English chat data; the dataset stage makes it exact.
-    return int(path.stat().st_size / 3.5), "estimated from the dataset file size (run the dataset stage for exact counts)"
+        return 0, 0, "no dataset yet"
+    # ~3.5 bytes of JSONL per token is typical for English chat data, and a few hundred tokens a
+    # sample; the dataset stage makes both exact.
+    tokens = int(path.stat().st_size / 3.5)
+    return tokens, max(tokens // 512, 1), "estimated from the dataset file size (run the dataset stage for exact counts)"
 
 
 def check_disk(ctx: CheckContext) -> list[CheckResult]:
@@ -103,8 +114,8 @@ def _window_budget(ctx: CheckContext) -> CheckResult:
     return passed("budget", summary)
 
 
-def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, str]:
-    """(tokens, bytes) of the records already in the current run, and a note when some are not counted.
+def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, int, str]:
+    """(tokens, records, bytes) already in the current run, and a note when some are not counted.
 
     Records count when the run was made for this model width, max_seq_len, dataset and aux format (the
     extraction resumes those and writes only the rest); a run made with other settings is
@@ -114,18 +125,18 @@ def written_so_far(ctx: CheckContext, hidden: int) -> tuple[int, int, str]:
 
     run_dir = ctx.workspace.hidden_dir
     if not (run_dir / "run.json").is_file():
-        return 0, 0, ""
+        return 0, 0, 0, ""
     try:
         meta = read_run_meta(run_dir)
         entries, _ = read_manifest(run_dir)
     except (RecordError, OSError):
-        return 0, 0, f"; the records in {run_dir} are unreadable and not counted"
+        return 0, 0, 0, f"; the records in {run_dir} are unreadable and not counted"
     cfg = ctx.config
     dataset = str(ctx.workspace.path(cfg.dataset.path)) if cfg.dataset.path else ""
     if (meta.get("hidden_size") != hidden or meta.get("max_seq_len") != cfg.dataset.max_seq_len
             or meta.get("dataset") != dataset or meta.get("aux_format", "bf16") != cfg.extract.aux_format):
-        return 0, 0, f"; the records in {run_dir} were made with other settings and are not counted"
-    return sum(e.tokens for e in entries.values()), sum(e.bytes for e in entries.values()), ""
+        return 0, 0, 0, f"; the records in {run_dir} were made with other settings and are not counted"
+    return sum(e.tokens for e in entries.values()), len(entries), sum(e.bytes for e in entries.values()), ""
 
 
 def _hidden_size(ctx: CheckContext) -> int | CheckResult:
@@ -143,22 +154,24 @@ def _budget(ctx: CheckContext) -> CheckResult:
     hidden = _hidden_size(ctx)
     if isinstance(hidden, CheckResult):
         return hidden
-    tokens, source = estimate_tokens(ctx)
+    tokens, samples, source = estimate_extraction(ctx)
     per_token = bytes_per_token(hidden, cfg.extract.aux_format)
     # Only what remains is written: records already in the run are resumed, not redone.
-    done_tokens, done_bytes, note = written_so_far(ctx, hidden)
+    done_tokens, done_samples, done_bytes, note = written_so_far(ctx, hidden)
     todo = max(tokens - done_tokens, 0)
-    needed = todo * per_token + 256 * max(todo // 512, 1) if todo else 0  # manifest lines are small
+    needed = records_bytes(todo, max(samples - done_samples, 1), hidden, cfg.extract.aux_format) if todo else 0
     reserve = int(cfg.extract.disk_reserve_gb * GIB)
     usage = usage_for("hidden", str(ctx.workspace.hidden_dir), reserve)
     where = f"free {fmt_bytes(usage.free)}, reserve {fmt_bytes(reserve)} on {usage.mount}"
     if not done_tokens:
-        summary = f"needs {fmt_bytes(needed)} ({tokens:,} tokens × {fmt_bytes(per_token)}, {source}){note}, {where}"
+        summary = (f"needs {fmt_bytes(needed)} ({tokens:,} tokens × {fmt_bytes(per_token)} and {samples:,} records' "
+                   f"headers, {source}){note}, {where}")
     elif not todo:
         summary = (f"needs nothing more: all {tokens:,} tokens already written ({fmt_bytes(done_bytes)} in "
                    f"{ctx.workspace.hidden_dir}, {source}), {where}")
     else:
-        summary = (f"needs {fmt_bytes(needed)} more ({todo:,} tokens still to write × {fmt_bytes(per_token)}; "
+        summary = (f"needs {fmt_bytes(needed)} more ({todo:,} tokens still to write × {fmt_bytes(per_token)} and "
+                   f"{max(samples - done_samples, 1):,} records' headers; "
                    f"{done_tokens:,} of {tokens:,} tokens already written, {fmt_bytes(done_bytes)} in "
                    f"{ctx.workspace.hidden_dir}; {source}), {where}")
     if not todo and usage.free < reserve:

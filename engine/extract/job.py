@@ -25,7 +25,7 @@ from pathlib import Path
 
 from engine.extract.layout import COMPLETE, PAUSE_FILE, RUN_LOCK, SPOOL_SESSIONS
 from engine.io import atomic
-from engine.system.disk import bytes_per_token, usage_for
+from engine.system.disk import records_bytes, usage_for
 from engine.capture.stfile import tensor_bytes
 from engine.extract.commit import GroupCommit
 from engine.extract.guard import ExtractionRefused, low_space, require_fit
@@ -567,8 +567,7 @@ class Extractor:
         todo = [s for s in plan.samples if s.id not in done_ids]
         if (self.run_dir / "bad.jsonl").exists():  # every bad sample of an earlier session is retried now
             await self._in_writer(write_bad, self.run_dir, {})
-        per_token = bytes_per_token(hidden, self.cfg.extract.aux_format)
-        needed = sum(len(s.input_ids) for s in todo) * per_token + 512 * len(todo)
+        needed = records_bytes(sum(len(s.input_ids) for s in todo), len(todo), hidden, self.cfg.extract.aux_format)
         budget = require_fit(self.run_dir, needed, int(self.cfg.extract.disk_reserve_gb * GIB))
         self.event("started", samples=len(plan.samples), todo=len(todo), resumed=len(good),
                    verified=check.checked, hashed=check.deep_checked, budget=budget.message(),

@@ -126,6 +126,15 @@ def bytes_per_token(hidden_size: int, aux_format: str = "bf16") -> int:
     return 2 * (3 * hidden_size + hidden_size) + 16
 
 
+RECORD_OVERHEAD_BYTES = 1024  # a record's safetensors header (360-470 B) and its manifest line, rounded up
+
+
+def records_bytes(tokens: int, samples: int, hidden_size: int, aux_format: str = "bf16") -> int:
+    """Disk bytes of `samples` records holding `tokens` tokens in all: the states and ids of every
+    token, and each record's header and manifest line."""
+    return tokens * bytes_per_token(hidden_size, aux_format) + samples * RECORD_OVERHEAD_BYTES
+
+
 def fmt_bytes(n: int | float) -> str:
     """Binary units: 512 -> "512 B", 57360 -> "56.0 KiB", 1.2 * 2**40 -> "1.2 TiB"."""
     sign = "-" if n < 0 else ""

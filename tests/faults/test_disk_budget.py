@@ -20,7 +20,7 @@ import sys
 from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.checks.base import Status
 from engine.checks.context import CheckContext
-from engine.system.disk import bytes_per_token, fmt_bytes
+from engine.system.disk import bytes_per_token, fmt_bytes, records_bytes
 from faults import ledger
 from faults.helpers import HIDDEN, tmpfs
 
@@ -28,9 +28,9 @@ RESERVE = 256 * 1024  # bytes; 2**-12 GiB is exact as a float
 N = 60
 
 
-def _budget(tokens: int) -> int:
-    """What the `disk` stage budgets for `tokens` tokens (records + manifest lines)."""
-    return tokens * bytes_per_token(HIDDEN) + 256 * max(tokens // 512, 1)
+def _budget(tokens: int, samples: int, aux_format: str = "bf16") -> int:
+    """What the `disk` stage budgets for `samples` records of `tokens` tokens (states, headers, manifest lines)."""
+    return records_bytes(tokens, samples, HIDDEN, aux_format)
 
 
 def _leave_free(disk, free: int) -> None:
@@ -97,7 +97,8 @@ def test_disk_budget_counts_records_already_written(tiny_chat_model_dir, tmp_pat
         half = len(plan.samples) // 2
         written = _write_records(ws, plan.samples[:half])
         remaining_tokens = sum(len(s.input_ids) for s in plan.samples[half:])
-        need_rest, need_all = _budget(remaining_tokens), _budget(total_tokens)
+        need_rest = _budget(remaining_tokens, len(plan.samples) - half)
+        need_all = _budget(total_tokens, len(plan.samples))
         assert need_all - need_rest > 64 * 1024, "the test needs a clear gap between the two budgets"
         _leave_free(out, RESERVE + (need_rest + need_all) // 2)
         result = _budget_result(ws)
@@ -165,9 +166,9 @@ def test_fp8_budget_vouches_for_fp8_records_and_bf16_on_the_same_disk_is_red(tin
         assert all(r.status is not Status.FAIL for r in check_dataset(CheckContext(ws)))  # exact token count
         plan = build_plan(ws)
         tokens = plan.total_tokens
-        need_fp8 = tokens * bytes_per_token(HIDDEN, "fp8") + 256 * max(tokens // 512, 1)
-        assert _budget(tokens) - need_fp8 > 64 * 1024, "the test needs a clear gap between the two budgets"
-        _leave_free(out, RESERVE + (need_fp8 + _budget(tokens)) // 2)
+        need_fp8, need_bf16 = _budget(tokens, len(plan.samples), "fp8"), _budget(tokens, len(plan.samples))
+        assert need_bf16 - need_fp8 > 64 * 1024, "the test needs a clear gap between the two budgets"
+        _leave_free(out, RESERVE + (need_fp8 + need_bf16) // 2)
         result = _budget_result(ws)
         assert result.status is Status.PASS, f"{result.status.value}: {result.evidence}"
         assert fmt_bytes(need_fp8) in result.evidence, result.evidence
@@ -176,7 +177,7 @@ def test_fp8_budget_vouches_for_fp8_records_and_bf16_on_the_same_disk_is_red(tin
         ws.reload()
         result = _budget_result(ws)
         assert result.status is Status.FAIL, result.evidence
-        assert fmt_bytes(_budget(tokens)) in result.evidence, result.evidence
+        assert fmt_bytes(need_bf16) in result.evidence, result.evidence
 
         ws.save_config(set_value(ws.config, "extract.aux_format", "fp8"))
         ws.reload()
@@ -192,8 +193,11 @@ def test_fp8_budget_vouches_for_fp8_records_and_bf16_on_the_same_disk_is_red(tin
                                  torch.randn(t, HIDDEN, generator=generator), aux_format="fp8")
             append_manifest(ws.hidden_dir, entry)
             written, headers = written + entry.bytes, headers + len(record_header(t, HIDDEN, "fp8"))
-        # The budget's bytes a token are the records' exactly; each record's header (~400 B) is outside it.
+        # The budget's bytes a token are the records' exactly, and it covers every record's header and
+        # manifest line on top (RECORD_OVERHEAD_BYTES each).
         assert written - headers == tokens * bytes_per_token(HIDDEN, "fp8"), (written, headers, tokens)
+        on_disk = written + (ws.hidden_dir / "manifest.jsonl").stat().st_size
+        assert on_disk <= need_fp8, (on_disk, need_fp8)
         (ws.hidden_dir / "complete.json").write_text(json.dumps({"samples": len(plan.samples), "bad": 0}))
         result = _budget_result(ws)
         assert result.status is Status.PASS and f"all {tokens:,} tokens already written" in result.evidence, \
@@ -203,6 +207,6 @@ def test_fp8_budget_vouches_for_fp8_records_and_bf16_on_the_same_disk_is_red(tin
         ws.reload()
         result = _budget_result(ws)
         assert "made with other settings and are not counted" in result.evidence, result.evidence
-    print(f"\n  fp8 budget: {fmt_bytes(need_fp8)} for {tokens:,} tokens (bf16 {fmt_bytes(_budget(tokens))}); "
+    print(f"\n  fp8 budget: {fmt_bytes(need_fp8)} for {tokens:,} tokens (bf16 {fmt_bytes(need_bf16)}); "
           f"records written {fmt_bytes(written)}, {fmt_bytes(headers)} of it headers")
     ledger.add("fp8 disk budget vs bf16 on one disk", trials=2, faults=1, records=len(plan.samples), losses=0)
