@@ -561,6 +561,7 @@ def main() -> int:
         results["online"]["evaluation"] = online_report.get("overall")
         laps.lap("online_evaluation")
         compare(results, report, online_report)
+        results["comparison"]["drafters"] = drafters_apart(report, online_report)
     elif args.compare_online:
         log(f"online leg failed, no comparison: {online_error}")
     if args.compare_fp8:
@@ -568,12 +569,16 @@ def main() -> int:
         laps.lap("fp8_evaluation")
     save_results(out, results)
     print(json.dumps(results, indent=2))
+    from drafter_diff import describe
+
     if args.compare_online and "comparison" in results:
         print(render_comparison(results["comparison"]))
+        print(describe(**results["comparison"]["drafters"]))
     if args.compare_fp8:
         from fp8_compare import render
 
         print(render(results["fp8"]["comparison"]))
+        print(describe(**results["fp8"]["comparison"]["drafters"]))
     return 0 if online_error is None else 1
 
 
@@ -628,8 +633,19 @@ def compare_fp8(ws, jobs, status_cmd: list[str], out: Path, results: dict, bf16_
     report = evaluate(ws, jobs, status_cmd, out, "evaluate_fp8", "report_fp8.json")
     ws.save_config(fp8_config(ws.config, False))
     results["fp8"]["evaluation"] = report.get("overall")
-    return summary(acceptance_interval(bf16_report.get("prompts") or []), acceptance_interval(report.get("prompts") or []),
-                   results["extraction"], results["fp8"]["extraction"])
+    block = summary(acceptance_interval(bf16_report.get("prompts") or []), acceptance_interval(report.get("prompts") or []),
+                    results["extraction"], results["fp8"]["extraction"])
+    block["drafters"] = drafters_apart(bf16_report, report)
+    return block
+
+
+def drafters_apart(report_a: dict, report_b: dict) -> dict:
+    """Weights and accepted tokens of two evaluated drafters, side by side (bench/drafter_diff.py)."""
+    from drafter_diff import prompt_difference, weight_difference
+
+    drafter_a, drafter_b = report_a["drafter"], report_b["drafter"]
+    return {"weights": weight_difference(drafter_a["path"], drafter_b["path"], drafter_a.get("weights", "model.safetensors")),
+            "prompts": prompt_difference(report_a, report_b)}
 
 
 def evaluate(ws, jobs, status_cmd: list[str], out: Path, tag: str, name: str) -> dict:
