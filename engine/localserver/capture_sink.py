@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.errors import one_line
 from engine.localserver.requests import Completion
-from engine.localserver.settings import CAPTURE_SLOTS, capture_writer_count, capture_writer_mode
+from engine.localserver.settings import capture_slots, capture_writer_count, capture_writer_mode
 
 
 @dataclass
@@ -90,9 +90,9 @@ class CaptureSink:
 
         assert self.config is not None
         per_token = (len(self.config.layers) + 1) * state_bytes + 8  # + the int64 id
-        writer = SpoolWriterProcess(self.config.spool_dir, self.config.layers,
-                                    slot_bytes=slot_bytes_for(slot_tokens, per_token), slots=CAPTURE_SLOTS,
-                                    threads=self.writers,
+        slot_bytes = slot_bytes_for(slot_tokens, per_token)
+        writer = SpoolWriterProcess(self.config.spool_dir, self.config.layers, slot_bytes=slot_bytes,
+                                    slots=capture_slots(slot_bytes), threads=self.writers,
                                     on_failure=lambda reason: print(f"capture: {reason}; threads write the "
                                                                     "segments from now on", file=sys.stderr))
         try:

@@ -13,9 +13,16 @@ CAPTURE_WRITER_MODES = ("threads", "process")
 SPOOL_SLOT_TOKENS = 8192
 SLOT_TOKENS_ENV = "EAGLE3_CAPTURE_SLOT_TOKENS"  # the same setting as the SGLang hook's
 # Slots of the writer process: the model thread copies a batch into free slots and waits when none
-# is free, so there is room for two batches of four slots each (a 1B target's 16 x 2,048-token
-# batch) while the child writes.
-CAPTURE_SLOTS = 9
+# is free, so there should be room for the next batch while the child writes this one. As many as
+# fit CAPTURE_SHM_BYTES of shared (and CUDA-pinned) memory, from 3 to 9.
+CAPTURE_SHM_BYTES = 1 << 30
+CAPTURE_SLOTS = (3, 9)
+
+
+def capture_slots(slot_bytes: int) -> int:
+    """How many slots of `slot_bytes` the writer process gets."""
+    low, high = CAPTURE_SLOTS
+    return max(low, min(high, CAPTURE_SHM_BYTES // max(slot_bytes, 1)))
 
 
 def capture_writer_count() -> int:
