@@ -16,12 +16,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from engine.system.disk import bytes_per_token
+from engine.system.disk import records_bytes
 from engine.errors import EngineError
 
-# A record's safetensors header (tensor names, dtypes, shapes, offsets, our metadata) is a few hundred
-# bytes; this bounds it from above.
-HEADER_BYTES = 1024
 GB = 10**9  # window_gb is in decimal gigabytes: 0.005 is 5,000,000 bytes
 CAPTURE_RATE_TAIL_BYTES = 256 * 1024  # the end of a job's events.jsonl: its last few hundred lines
 
@@ -81,7 +78,7 @@ def last_capture_rate(workspace) -> float | None:
 
 def record_bytes(tokens: int, hidden_size: int, aux_format: str = "bf16") -> int:
     """Upper bound of the bytes of one record of `tokens` tokens (engine.records' layout)."""
-    return tokens * bytes_per_token(hidden_size, aux_format) + HEADER_BYTES
+    return records_bytes(tokens, 1, hidden_size, aux_format)
 
 
 def files_bytes(root: Path) -> int:
