@@ -70,6 +70,15 @@ class _Pending:
     aux: torch.Tensor  # [T, k*H]
     final: torch.Tensor  # [T, H]
 
+    def pieces(self) -> list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each segment's (rid, start, ids, aux, final): views of its rows of the packed batch."""
+        pieces, offset = [], 0
+        for rid, start, n in self.segments:
+            rows = slice(offset, offset + n)
+            pieces.append((rid, start, self.ids[rows], self.aux[rows], self.final[rows]))
+            offset += n
+        return pieces
+
 
 def should_capture(rid: Any, health_prefix: str = HEALTH_CHECK_PREFIX) -> bool:
     if not isinstance(rid, str) or rid.startswith(health_prefix) or _GENERATED_RID.match(rid):
@@ -238,13 +247,8 @@ class CaptureHook:
         process = self._live_process(pending)
         if process is None:
             return False
-        pieces, offset = [], 0
-        for rid, start, n in pending.segments:
-            rows = slice(offset, offset + n)
-            pieces.append((rid, start, pending.ids[rows], pending.aux[rows], pending.final[rows]))
-            offset += n
         try:
-            process.submit(pieces, lambda errors: self._process_done(pending, errors))
+            process.submit(pending.pieces(), lambda errors: self._process_done(pending, errors))
         except SpoolProcessError as exc:
             self._process_gone(str(exc))
             return False
@@ -285,13 +289,9 @@ class CaptureHook:
         self._done()
 
     def _write_here(self, pending: _Pending) -> None:
-        offset = 0
-        for rid, start, n in pending.segments:
-            rows = slice(offset, offset + n)
-            offset += n
+        for rid, start, ids, aux, final in pending.pieces():
             try:
-                write_segment(self.spool_dir, rid, start, pending.ids[rows], pending.aux[rows],
-                              pending.final[rows], self.layers)
+                write_segment(self.spool_dir, rid, start, ids, aux, final, self.layers)
                 with self._idle:
                     self.written += 1
             except Exception as exc:  # a full disk must not kill the server; the probe reports gaps
