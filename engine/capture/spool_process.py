@@ -38,6 +38,8 @@ import torch
 from engine.errors import EngineError, one_line
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
+SLOT_TOKENS_ENV = "EAGLE3_CAPTURE_SLOT_TOKENS"  # tokens one slot holds, for the local server and the SGLang hook
+DEFAULT_SLOT_TOKENS = 8192  # SGLang's chunked prefill size on most GPUs, and the largest prefill graph
 DEFAULT_SLOTS = 3  # one being filled, one being written, one spare
 
 

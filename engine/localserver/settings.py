@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import sys
 
+from engine.capture.spool_process import DEFAULT_SLOT_TOKENS, SLOT_TOKENS_ENV
+
 DEFAULT_CAPTURE_WRITERS = 4
 CAPTURE_WRITER_MODES = ("threads", "process")
 
 # Tokens one shared-memory slot holds when no prefill graphs set the size (CPU, graphs off); with
 # graphs, their largest bucket. A larger (eager) batch is cut into several slots.
-SPOOL_SLOT_TOKENS = 8192
-SLOT_TOKENS_ENV = "EAGLE3_CAPTURE_SLOT_TOKENS"  # the same setting as the SGLang hook's
+SPOOL_SLOT_TOKENS = DEFAULT_SLOT_TOKENS
 # Slots of the writer process: the model thread copies a batch into free slots and waits when none
 # is free, so there should be room for the next batch while the child writes this one. As many as
 # fit CAPTURE_SHM_BYTES of shared (and CUDA-pinned) memory, from 3 to 9.

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import torch
 
 from engine.capture.segments import write_segment
+from engine.capture.spool_process import DEFAULT_SLOT_TOKENS, SLOT_TOKENS_ENV
 from engine.io.names import is_safe_name
 from engine.errors import EngineError
 
@@ -51,8 +52,6 @@ logger = logging.getLogger("eagle3_console.capture_hook")
 ENV_SPOOL = "EAGLE3_CAPTURE_SPOOL"
 ENV_LAYERS = "EAGLE3_CAPTURE_LAYERS"
 ENV_WRITER = "EAGLE3_CAPTURE_WRITER"  # "process" (default) or "threads", as for the local server
-ENV_SLOT_TOKENS = "EAGLE3_CAPTURE_SLOT_TOKENS"  # tokens one shared-memory slot holds (an extend batch's)
-DEFAULT_SLOT_TOKENS = 8192  # SGLang's chunked prefill size on most GPUs: most extend batches fit one slot
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 _GENERATED_RID = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex, what SGLang assigns when no rid is given
 MAX_PENDING_BATCHES = 256  # beyond this the forward blocks rather than exhausting pinned memory
@@ -347,9 +346,9 @@ def make_capture_hook(config: dict[str, Any] | None = None) -> CaptureHook:
     profile = detect_profile(installed_version() or config.get("sglang"))
     rank_functions = profile.rank_functions
     try:
-        slot_tokens = int(os.environ.get(ENV_SLOT_TOKENS, DEFAULT_SLOT_TOKENS))
+        slot_tokens = int(os.environ.get(SLOT_TOKENS_ENV, DEFAULT_SLOT_TOKENS))
     except ValueError:
-        raise CaptureConfigError(f"{ENV_SLOT_TOKENS}={os.environ[ENV_SLOT_TOKENS]!r} is not a whole number of "
+        raise CaptureConfigError(f"{SLOT_TOKENS_ENV}={os.environ[SLOT_TOKENS_ENV]!r} is not a whole number of "
                                  "tokens") from None
     hook = CaptureHook(spool, layers, rank_fn=lambda: sglang_writer_rank(rank_functions),
                        health_prefix=profile.health_check_prefix, writer=os.environ.get(ENV_WRITER, "process"),
