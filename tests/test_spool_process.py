@@ -315,3 +315,19 @@ def test_writer_mode_from_the_environment(monkeypatch, capsys):
     monkeypatch.setenv("EAGLE3_CAPTURE_WRITER", "bogus")
     assert capture_writer_mode() == "process"
     assert "EAGLE3_CAPTURE_WRITER='bogus' is not one of threads, process: using process" in capsys.readouterr().err
+
+
+def test_slot_tokens_and_slots_from_the_environment(monkeypatch, capsys):
+    """EAGLE3_CAPTURE_SLOT_TOKENS sizes the local server's slots (bad values named, the default kept);
+    the slot count fits 1 GiB, from 3 to 9."""
+    from engine.localserver.settings import capture_slot_tokens, capture_slots
+
+    monkeypatch.delenv("EAGLE3_CAPTURE_SLOT_TOKENS", raising=False)
+    assert capture_slot_tokens(4096) == 4096
+    monkeypatch.setenv("EAGLE3_CAPTURE_SLOT_TOKENS", " 16 ")
+    assert capture_slot_tokens(4096) == 16 and capsys.readouterr().err == ""
+    for bad in ("0", "-8", "many", str((1 << 20) + 1)):
+        monkeypatch.setenv("EAGLE3_CAPTURE_SLOT_TOKENS", bad)
+        assert capture_slot_tokens(4096) == 4096
+        assert f"EAGLE3_CAPTURE_SLOT_TOKENS={bad!r} is not a whole number of tokens" in capsys.readouterr().err
+    assert [capture_slots(8192 * per_token + 48) for per_token in (5128, 16392, 32776)] == [9, 7, 3]
