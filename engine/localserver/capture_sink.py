@@ -83,8 +83,8 @@ class CaptureSink:
         note = self.note or (writer.failure if writer is not None else "")
         return f"threads ({self.writers})" + (f"; {note}" if note else "")
 
-    def _start_process(self, state_bytes: int, slot_tokens: int) -> bool:
-        """Start the writer process; False (and `note` says why) to stay with threads. `state_bytes`:
+    def _start_process(self, state_bytes: int, slot_tokens: int) -> None:
+        """Start the writer process; if it cannot start, `note` says why and threads write. `state_bytes`:
         one token's hidden state; a slot holds `slot_tokens` tokens of every captured state."""
         from engine.capture.spool_process import SpoolProcessError, SpoolWriterProcess, slot_bytes_for
 
@@ -100,9 +100,8 @@ class CaptureSink:
         except SpoolProcessError as exc:
             self.note = f"process writer unavailable, threads write the segments: {exc}"
             print(f"capture: {self.note}", file=sys.stderr)
-            return False
+            return
         self._process = writer
-        return True
 
     def _live_process(self) -> Any:
         """The writer process if it takes batches now, else None (threads write)."""
