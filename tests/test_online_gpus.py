@@ -131,3 +131,32 @@ def test_two_ranks_in_hybrid_mode_each_keep_their_own_samples_within_their_share
     print(f"2 ranks, hybrid: kept {[len(read_manifest(root / f'rank{r}' / 'kept')[0]) for r in (0, 1)]} records, "
           f"{len(shared)} reads of the other rank's; "
           f"window peak {sampler.peak:,} of {budget:,} bytes (per rank {dict(sampler.rank_peak)})")
+
+
+def test_two_ranks_waiting_for_captures_stop_together_at_once(tiny_chat_model_dir, tmp_path):
+    """The server stops under a running two-rank online job, so both ranks wait for captures that will not
+    come. `jobs stop` must stop both at the same step with a checkpoint and exit 0, at once — not after
+    the grace's SIGKILL (a rank waiting for its batch never reached the step's stop vote)."""
+    import time
+
+    from engine.server.manager import ServerManager
+    from engine.train import checkpoint as ckpt
+
+    with two_rank_workspace(tiny_chat_model_dir, tmp_path, **{"train.epochs": 20}) as (ws, jobs):
+        events: list[dict] = []
+        job = start_training(ws, jobs)
+        follow(jobs, job.id, events, until=lambda ev: any(e.get("type") == "progress" and e["done"] >= 2 for e in ev))
+        assert jobs.get(job.id).active, "\n".join(jobs.tail(job.id, 40))
+        asyncio.run(ServerManager(ws).stop(grace=5))
+        follow(jobs, job.id, events, until=lambda ev: any(e.get("type") == "server_down" for e in ev), timeout=60)
+        time.sleep(3)  # the window drains: both ranks now wait for a capture
+        progressed = max(e["done"] for e in events if e.get("type") == "progress")
+        started = time.monotonic()
+        stopped = jobs.stop_sync(job.id, grace=60)
+        took = time.monotonic() - started
+    assert stopped.state == "stopped" and stopped.exit_code == 0, "\n".join(jobs.tail(job.id, 60))
+    assert took < 20, f"the stop took {took:.1f} s"
+    done = jobs.events(job.id, 0)[0]
+    step = next(e for e in done if e.get("type") == "stopped")["step"]
+    assert step >= progressed and (ckpt.latest(ws.drafter_dir) or {}).get("step") == step
+    print(f"2 ranks waiting for captures: stopped at step {step} in {took:.1f} s, exit 0, checkpoint at {step}")

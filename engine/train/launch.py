@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
-from pathlib import Path
 
 from engine.system.gpusets import visible_devices_env
 from engine.train import checkpoint as ckpt
@@ -17,8 +15,8 @@ def build_train_argv(workspace, resume: bool | None = None) -> list[str]:
     tail = ["-m", "engine.train", "--workspace", str(workspace.root)] + (["--resume"] if resume else [])
     gpus = int(workspace.config.train.num_gpus)
     if gpus > 1:
-        torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-        return [torchrun, "--standalone", "--nproc-per-node", str(gpus)] + tail
+        # torchrun, run by engine.train.torchrun: a stop is the ranks' to answer (checkpoint, exit 0)
+        return [sys.executable, "-m", "engine.train.torchrun", "--standalone", "--nproc-per-node", str(gpus)] + tail
     return [sys.executable] + tail
 
 

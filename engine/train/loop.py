@@ -489,19 +489,29 @@ class Trainer:
             torch.distributed.all_reduce(tensor)
         return tensor
 
-    def _stop_waits_for(self, batches: BatchPrefetcher) -> bool:
-        """Wait for the next batch, unless a stop is asked meanwhile (True then). Online, a batch can wait
-        for the server without end (stopped, or restarted by hand): a stop must not. One rank only: with
-        several, a rank leaving its wait would meet the others' gradient all-reduce with its stop vote."""
-        while not batches.wait(0.5):
-            if self.stop_requested or (self.ctx is not None and self.ctx.stop_requested):
-                return True
-        return False
+    def _stop_asked(self) -> bool:
+        return self.stop_requested or bool(self.ctx is not None and self.ctx.stop_requested)
 
-    def _should_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop_requested or (self.ctx and self.ctx.stop_requested) else 0.0],
-                            device=self.device)
-        return bool(self._all_reduce(flag).item() > 0)
+    def _stop_before_next_batch(self, batches: BatchPrefetcher) -> bool:
+        """Wait for the next batch unless a stop is asked meanwhile (True then: every rank stops at this step).
+        Online, a batch can wait for the server without end (stopped, or restarted by hand): a stop must
+        not. With several ranks the wait is a vote every half second, so a stop reaches all of them at the
+        same step whichever ones are still waiting: a rank leaving its wait alone would meet the others'
+        gradient all-reduce with its stop vote. Once every batch is there it is the step's one vote."""
+        while True:
+            ready = batches.wait(0.5)
+            if self.world == 1:
+                if self._stop_asked():
+                    return True
+                if ready:
+                    return False
+                continue
+            votes = torch.tensor([1.0 if self._stop_asked() else 0.0, 0.0 if ready else 1.0], device=self.device)
+            stop, waiting = self._all_reduce(votes).tolist()
+            if stop > 0:
+                return True
+            if waiting == 0:
+                return False
 
     def _eval_and_best(self, train_summary: dict | None) -> None:
         if self.nonfinite_streak or not self.weights_finite():
@@ -572,14 +582,12 @@ class Trainer:
         interrupt = self.data.interrupt if self.online else None  # a stop while a batch awaits captures
         with BatchPrefetcher(load, range(self.step, limit), self.device, interrupt=interrupt) as batches:
             while self.step < limit:
-                if self._should_stop():
+                if self._stop_before_next_batch(batches):
                     self._sum_window_figures()
                     if not self.nonfinite_streak and self.weights_finite():
                         self.save_checkpoint()
                     self.event("stopped", step=self.step)
                     return 0
-                if self.world == 1 and self._stop_waits_for(batches):
-                    continue  # stopped while its batch was awaited: checkpoint at this step, above
                 batch = next(batches)
                 stats, grad_norm = self.train_step(batch)
                 if self.step_finite:
