@@ -193,9 +193,17 @@ def test_build_train_argv_uses_torchrun_for_several_gpus(tmp_path):
     config.train.num_gpus = 4
     ws.save_config(config)
     argv = build_train_argv(Workspace(tmp_path / "ws"))
-    assert Path(argv[0]).name == "torchrun"
-    assert argv[1:4] == ["--standalone", "--nproc-per-node", "4"]
-    assert argv[4:6] == ["-m", "engine.train"]
+    assert argv[:3] == [sys.executable, "-m", "engine.train.torchrun"]
+    # torchrun's own parser, on what engine.train.torchrun hands it: SIGTERM left to the ranks
+    from torch.distributed.run import parse_args
+
+    from engine.train.torchrun import SIGNALS_FOR_TORCHRUN, leaves_sigterm_alone
+
+    assert leaves_sigterm_alone()
+    args = parse_args(["--signals-to-handle", SIGNALS_FOR_TORCHRUN, *argv[3:]])
+    assert args.standalone and args.nproc_per_node == "4" and args.module
+    assert args.training_script == "engine.train" and args.training_script_args[:1] == ["--workspace"]
+    assert "SIGTERM" not in args.signals_to_handle.split(",")
 
 
 def _overwrite(path: Path, offset: int, data: bytes) -> None:
