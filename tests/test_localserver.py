@@ -10,6 +10,7 @@ from tests.helpers.processes import free_port, local_server_argv, stop_process, 
 
 import asyncio
 import http.server
+import os
 import socket
 import subprocess
 import threading
@@ -326,6 +327,19 @@ def test_bad_capture_layers_fail_fast(tiny_model_dir, tmp_path):
     assert proc.returncode == 2
     assert "capture layer 3 is out of range" in proc.stderr and "valid range is 0..2" in proc.stderr
 
+
+
+def test_a_bad_capture_setting_in_the_environment_fails_fast(tiny_model_dir, tmp_path):
+    """Refused before the model loads, naming the variable and the fix: never replaced by a default."""
+    argv = local_server_argv(tiny_model_dir, free_port(), "--spool-dir", str(tmp_path))
+    for name, value, said in (("EAGLE3_CAPTURE_SLOT_TOKENS", "8k", "is not a whole number of tokens"),
+                              ("EAGLE3_CAPTURE_WRITER", "fork", "is not one of process, threads"),
+                              ("EAGLE3_CAPTURE_WRITERS", "0", "is not a number of writer threads")):
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=15,
+                              env={**os.environ, name: value})
+        assert proc.returncode == 2, proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"capture: {name}={value!r} {said}") and "unset it" in line
 
 # ---- client against malformed replies ----------------------------------------------------
 

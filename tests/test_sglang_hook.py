@@ -176,5 +176,12 @@ def test_writer_setting_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE3_CAPTURE_SPOOL", str(tmp_path))
     monkeypatch.setenv("EAGLE3_CAPTURE_LAYERS", "1,2,3")
     monkeypatch.setenv("EAGLE3_CAPTURE_SLOT_TOKENS", "lots")
-    with pytest.raises(CaptureConfigError, match="EAGLE3_CAPTURE_SLOT_TOKENS='lots'"):
+    with pytest.raises(CaptureConfigError, match="EAGLE3_CAPTURE_SLOT_TOKENS='lots' is not a whole number"):
+        make_capture_hook({"sglang": "0.5.23"})
+    monkeypatch.setenv("EAGLE3_CAPTURE_SLOT_TOKENS", "0")  # a number, but no slot holds 0 tokens
+    with pytest.raises(CaptureConfigError, match="from 1 to 1,048,576: give one in that range, or unset it"):
+        make_capture_hook({"sglang": "0.5.23"})
+    monkeypatch.delenv("EAGLE3_CAPTURE_SLOT_TOKENS")
+    monkeypatch.setenv("EAGLE3_CAPTURE_WRITER", "fork")
+    with pytest.raises(CaptureConfigError, match="EAGLE3_CAPTURE_WRITER='fork' is not one of process, threads"):
         make_capture_hook({"sglang": "0.5.23"})

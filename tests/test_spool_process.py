@@ -305,29 +305,34 @@ def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model
     assert "threads write the segments from now on" in log.read_text()
 
 
-def test_writer_mode_from_the_environment(monkeypatch, capsys):
-    from engine.localserver.settings import capture_writer_mode
+def test_writer_mode_from_the_environment(monkeypatch):
+    from engine.localserver.settings import capture_writer_count, capture_writer_mode
 
     for raw, expected in (("", "process"), ("threads", "threads"), (" Process ", "process"), (" THREADS", "threads")):
         monkeypatch.setenv("EAGLE3_CAPTURE_WRITER", raw)
         assert capture_writer_mode() == expected
-    assert capsys.readouterr().err == ""
     monkeypatch.setenv("EAGLE3_CAPTURE_WRITER", "bogus")
-    assert capture_writer_mode() == "process"
-    assert "EAGLE3_CAPTURE_WRITER='bogus' is not one of threads, process: using process" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="EAGLE3_CAPTURE_WRITER='bogus' is not one of process, threads: set one"):
+        capture_writer_mode()
+    monkeypatch.delenv("EAGLE3_CAPTURE_WRITERS", raising=False)
+    assert capture_writer_count() == 4
+    for bad in ("0", "65", "four"):
+        monkeypatch.setenv("EAGLE3_CAPTURE_WRITERS", bad)
+        with pytest.raises(ValueError, match=f"EAGLE3_CAPTURE_WRITERS='{bad}' is not a number of writer threads"):
+            capture_writer_count()
 
 
-def test_slot_tokens_and_slots_from_the_environment(monkeypatch, capsys):
-    """EAGLE3_CAPTURE_SLOT_TOKENS sizes the local server's slots (bad values named, the default kept);
-    the slot count fits 1 GiB, from 3 to 9."""
+def test_slot_tokens_and_slots_from_the_environment(monkeypatch):
+    """EAGLE3_CAPTURE_SLOT_TOKENS sizes the local server's slots (a bad value is refused, naming it); the
+    slot count fits 1 GiB, from 3 to 9."""
     from engine.localserver.settings import capture_slot_tokens, capture_slots
 
     monkeypatch.delenv("EAGLE3_CAPTURE_SLOT_TOKENS", raising=False)
     assert capture_slot_tokens(4096) == 4096
     monkeypatch.setenv("EAGLE3_CAPTURE_SLOT_TOKENS", " 16 ")
-    assert capture_slot_tokens(4096) == 16 and capsys.readouterr().err == ""
+    assert capture_slot_tokens(4096) == 16
     for bad in ("0", "-8", "many", str((1 << 20) + 1)):
         monkeypatch.setenv("EAGLE3_CAPTURE_SLOT_TOKENS", bad)
-        assert capture_slot_tokens(4096) == 4096
-        assert f"EAGLE3_CAPTURE_SLOT_TOKENS={bad!r} is not a whole number of tokens" in capsys.readouterr().err
+        with pytest.raises(ValueError, match=f"EAGLE3_CAPTURE_SLOT_TOKENS='{bad}' is not a whole number of tokens"):
+            capture_slot_tokens(4096)
     assert [capture_slots(8192 * per_token + 48) for per_token in (5128, 16392, 32776)] == [9, 7, 3]

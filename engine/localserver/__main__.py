@@ -114,7 +114,12 @@ def _load(args: argparse.Namespace):
     from engine.localserver.capture_sink import CaptureConfig
     from engine.localserver.loading import ModelLoadError, check_model_dir
     from engine.localserver.model_runner import ModelRunner
+    from engine.localserver.settings import check_capture_environment
 
+    try:
+        check_capture_environment()
+    except ValueError as exc:
+        raise StartupError(f"capture: {exc}") from None
     model_path = Path(args.model_path).expanduser()
     try:
         check_model_dir(model_path)  # cheap: before binding the port or importing torch

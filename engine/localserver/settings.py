@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 
-from engine.capture.spool_process import DEFAULT_SLOT_TOKENS, SLOT_TOKENS_ENV
+from engine.capture.spool_process import DEFAULT_SLOT_TOKENS, slot_tokens_from_env, writer_mode_from_env
 
+WRITERS_ENV = "EAGLE3_CAPTURE_WRITERS"
 DEFAULT_CAPTURE_WRITERS = 4
-CAPTURE_WRITER_MODES = ("threads", "process")
 
 # Tokens one shared-memory slot holds when no prefill graphs set the size (CPU, graphs off); with
 # graphs, their largest bucket. A larger (eager) batch is cut into several slots.
@@ -27,14 +26,17 @@ def capture_slots(slot_bytes: int) -> int:
 
 
 def capture_writer_count() -> int:
-    """Writer threads: EAGLE3_CAPTURE_WRITERS if set (1..64), else 4.
+    """Writer threads: EAGLE3_CAPTURE_WRITERS if set (1..64), else 4; ValueError for anything else.
 
     Few: four outpace what a fast target captures, and every writer takes the GIL for a little Python
     per segment, which the model thread launching kernels pays for (bench/RESULTS.md)."""
-    raw = os.environ.get("EAGLE3_CAPTURE_WRITERS", "").strip()
+    raw = os.environ.get(WRITERS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CAPTURE_WRITERS
     if raw.isdigit() and 1 <= int(raw) <= 64:
         return int(raw)
-    return DEFAULT_CAPTURE_WRITERS
+    raise ValueError(f"{WRITERS_ENV}={raw!r} is not a number of writer threads from 1 to 64: give one in that "
+                     f"range, or unset it for {DEFAULT_CAPTURE_WRITERS}")
 
 
 def capture_writer_mode() -> str:
@@ -42,25 +44,19 @@ def capture_writer_mode() -> str:
     shared memory (engine/capture/spool_process.py), so the writes' GIL hand-offs leave the process
     that launches the kernels (it measured best: bench/RESULTS.md). "threads" writes segments in
     the server process."""
-    raw = os.environ.get("EAGLE3_CAPTURE_WRITER", "").strip().lower()
-    if raw in ("", "process"):
-        return "process"
-    if raw == "threads":
-        return "threads"
-    print(f"EAGLE3_CAPTURE_WRITER={raw!r} is not one of {', '.join(CAPTURE_WRITER_MODES)}: using process",
-          file=sys.stderr)
-    return "process"
+    return writer_mode_from_env()
 
 
 def capture_slot_tokens(default: int) -> int:
     """Tokens a shared-memory slot of the writer process holds: EAGLE3_CAPTURE_SLOT_TOKENS if set
     (1..1,048,576), else `default`. Smaller slots cost less shared memory; a batch that does not fit
     one is cut into several."""
-    raw = os.environ.get(SLOT_TOKENS_ENV, "").strip()
-    if not raw:
-        return default
-    if raw.isdigit() and 1 <= int(raw) <= 1 << 20:
-        return int(raw)
-    print(f"{SLOT_TOKENS_ENV}={raw!r} is not a whole number of tokens from 1 to 1048576: using {default}",
-          file=sys.stderr)
-    return default
+    return slot_tokens_from_env(default)
+
+
+def check_capture_environment() -> None:
+    """Read every capture setting of the environment once, before the model loads: ValueError naming the
+    first bad one and its fix (the server refuses to start rather than run on a value nobody chose)."""
+    capture_writer_count()
+    capture_writer_mode()
+    capture_slot_tokens(SPOOL_SLOT_TOKENS)

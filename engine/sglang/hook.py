@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from engine.capture.segments import write_segment
-from engine.capture.spool_process import DEFAULT_SLOT_TOKENS, SLOT_TOKENS_ENV
+from engine.capture.spool_process import DEFAULT_SLOT_TOKENS, WRITER_ENV, slot_tokens_from_env, writer_mode_from_env
 from engine.io.names import is_safe_name
 from engine.errors import EngineError
 
@@ -51,7 +51,6 @@ logger = logging.getLogger("eagle3_console.capture_hook")
 
 ENV_SPOOL = "EAGLE3_CAPTURE_SPOOL"
 ENV_LAYERS = "EAGLE3_CAPTURE_LAYERS"
-ENV_WRITER = "EAGLE3_CAPTURE_WRITER"  # "process" (default) or "threads", as for the local server
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 _GENERATED_RID = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex, what SGLang assigns when no rid is given
 MAX_PENDING_BATCHES = 256  # beyond this the forward blocks rather than exhausting pinned memory
@@ -136,7 +135,7 @@ class CaptureHook:
                  health_prefix: str = HEALTH_CHECK_PREFIX, writer: str = "process",
                  slot_tokens: int = DEFAULT_SLOT_TOKENS) -> None:
         if writer not in ("process", "threads"):
-            raise CaptureConfigError(f"{ENV_WRITER}={writer!r}: use \"process\" (the default) or \"threads\"")
+            raise CaptureConfigError(f"{WRITER_ENV}={writer!r}: use \"process\" (the default) or \"threads\"")
         self.spool_dir = spool_dir
         self.layers = list(layers)
         self.health_prefix = health_prefix
@@ -346,12 +345,10 @@ def make_capture_hook(config: dict[str, Any] | None = None) -> CaptureHook:
     profile = detect_profile(installed_version() or config.get("sglang"))
     rank_functions = profile.rank_functions
     try:
-        slot_tokens = int(os.environ.get(SLOT_TOKENS_ENV, DEFAULT_SLOT_TOKENS))
-    except ValueError:
-        raise CaptureConfigError(f"{SLOT_TOKENS_ENV}={os.environ[SLOT_TOKENS_ENV]!r} is not a whole number of "
-                                 "tokens") from None
+        slot_tokens, writer = slot_tokens_from_env(DEFAULT_SLOT_TOKENS), writer_mode_from_env()
+    except ValueError as exc:
+        raise CaptureConfigError(str(exc)) from None
     hook = CaptureHook(spool, layers, rank_fn=lambda: sglang_writer_rank(rank_functions),
-                       health_prefix=profile.health_check_prefix, writer=os.environ.get(ENV_WRITER, "process"),
-                       slot_tokens=slot_tokens)
+                       health_prefix=profile.health_check_prefix, writer=writer, slot_tokens=slot_tokens)
     atexit.register(hook.close)
     return hook
