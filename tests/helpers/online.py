@@ -126,3 +126,23 @@ def two_rank_workspace(tiny_chat_model_dir: Path, tmp_path: Path, **changes):
         yield ws, JobManager(ws.jobs_dir)
     finally:
         asyncio.run(manager.stop(grace=5))
+
+
+def stop_while_waiting_for_captures(ws, jobs, job_id: str, grace: float = 60.0) -> tuple[int, float]:
+    """Stop the server under a running online job (stopped, not crashed: nobody restarts it), let the window
+    drain so the trainer waits for captures that will not come, then `jobs stop` it. Checks that it
+    stopped cleanly (exit 0) with a checkpoint at the step it stopped at; returns (that step, seconds the
+    stop took)."""
+    from engine.server.manager import ServerManager
+    from engine.train import checkpoint as ckpt
+
+    asyncio.run(ServerManager(ws).stop(grace=5))
+    follow(jobs, job_id, [], until=lambda ev: any(e.get("type") == "server_down" for e in ev), timeout=60)
+    time.sleep(3)  # the window drains: the trainer now waits for a capture
+    started = time.monotonic()
+    stopped = jobs.stop_sync(job_id, grace=grace)
+    took = time.monotonic() - started
+    assert stopped.state == "stopped" and stopped.exit_code == 0, "\n".join(jobs.tail(job_id, 60))
+    step = next(e for e in jobs.events(job_id, 0)[0] if e.get("type") == "stopped")["step"]
+    assert (ckpt.latest(ws.drafter_dir) or {}).get("step") == step
+    return step, took
