@@ -92,6 +92,27 @@ def test_a_batch_becomes_the_same_files_as_the_in_process_writer(writer, tmp_pat
         assert _contents(written) == _contents(expected)
 
 
+def test_rows_back_to_back_go_in_one_copy_and_read_back_exactly(writer):
+    """A batch of full-width rows is one block of memory: one copy a tensor, not one a row (each copy is a
+    launch the server's model thread pays for). A row cut short ends a block; another tensor's rows
+    never join it, however close in memory."""
+    from engine.capture.spool_process import _coalesced
+
+    ids, aux, final = _batch(4, 16, 8, torch.float32, seed=5)
+    [whole] = _coalesced([aux[i, :16] for i in range(4)])
+    assert whole.data_ptr() == aux.data_ptr() and torch.equal(whole, aux.reshape(64, -1))
+    assert [block.shape[0] for block in _coalesced([aux[0, :16], aux[1, :10], aux[2, :16], aux[3, :16]])] == [26, 32]
+    other = aux.clone()
+    assert len(_coalesced([aux[3, :16], other[0, :16]])) == 2
+    assert len(_coalesced([ids[0, :16], ids[1, :16]])) == 1  # 1-D rows too
+    replies, lengths = _Replies(), [16, 10, 16, 16]
+    writer.submit(_pieces(["w0", "w1", "w2", "w3"], lengths, ids, aux, final), replies)
+    assert replies.wait() == [None] * 4
+    for i, n in enumerate(lengths):
+        capture = assemble(writer.spool_dir, f"w{i}", expected_len=n, expected_input_ids=ids[i, :n].tolist())
+        assert torch.equal(capture.aux_hidden_state, aux[i, :n]) and torch.equal(capture.hidden_state, final[i, :n])
+
+
 def test_nothing_is_left_in_dev_shm_and_close_is_clean(tmp_path):
     process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=1 << 20, slots=2, threads=1)
     process.start()

@@ -154,6 +154,23 @@ def _padded(nbytes: int, alignment: int = 16) -> int:
     return nbytes + (-nbytes % alignment)
 
 
+def _coalesced(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Row blocks in order, each block that continues the previous one in the same storage merged into
+    it (one view over both); the rest as they are."""
+    merged: list[torch.Tensor] = []
+    for block in blocks:
+        last = merged[-1] if merged else None
+        if (last is not None and last.is_contiguous() and block.is_contiguous() and last.dtype == block.dtype
+                and last.device == block.device and last.shape[1:] == block.shape[1:]
+                and last.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+                and last.storage_offset() + last.numel() == block.storage_offset()):
+            merged[-1] = last.as_strided((last.shape[0] + block.shape[0], *last.shape[1:]), last.stride(),
+                                         last.storage_offset())
+        else:
+            merged.append(block)
+    return merged
+
+
 def _view(arena: torch.Tensor, base: int, block: _Block) -> torch.Tensor:
     dtype = getattr(torch, block.dtype)
     count = 1
@@ -382,16 +399,22 @@ class SpoolWriterProcess:
             self._free.put(slot)
             raise SpoolProcessError(self._dead)
         base = slot * self.slot_bytes
-        views = [_view(self._arena, base, block) for block in blocks]
-        rows, at, keep = [], 0, []
+        rows, at = [], 0
         for index, first, n in parts:
-            rid, start, *tensors = pieces[index]
-            for view, tensor in zip(views, tensors):
-                # Large copies, outside the GIL; from the device, asynchronous when the arena is pinned.
-                view[at:at + n].copy_(tensor[first:first + n], non_blocking=tensor.is_cuda)
-            keep.append(tensors)
+            rid, start, *_ = pieces[index]
             rows.append((rid, int(start) + first, at, n))
             at += n
+        keep: list[torch.Tensor] = []
+        for kind, block in enumerate(blocks):
+            view, at = _view(self._arena, base, block), 0
+            # Large copies, outside the GIL; from the device, asynchronous when the arena is pinned. Rows
+            # that sit back to back (a batch of full-width rows) go in one copy, not one a row: each
+            # copy is a launch the model thread pays for.
+            sources = [pieces[index][2:][kind][first:first + n] for index, first, n in parts]
+            for source in _coalesced(sources):
+                view[at:at + source.shape[0]].copy_(source, non_blocking=source.is_cuda)
+                at += source.shape[0]
+                keep.append(source)
         landed = None
         if on_device:
             landed = torch.cuda.Event(blocking=True)  # the sender sleeps on it instead of spinning a core
