@@ -1,0 +1,37 @@
+"""The teacher (engine.train.data.Teacher): the target's LM head on the captured final states, its greedy
+token over the full vocabulary and its distribution over the draft vocabulary, from bf16 logits without
+a full-vocabulary fp32 copy: exactly what fp32 logits give, ties and chunking included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.train.data import Batch, Teacher
+
+
+def _reference(hidden: torch.Tensor, head: torch.Tensor, hot: torch.Tensor):
+    logits = (hidden.reshape(-1, hidden.shape[-1]).to(head.dtype) @ head.T).float()
+    return logits.argmax(-1), torch.softmax(logits[:, hot], -1)
+
+
+@pytest.mark.parametrize("chunk_rows", [4096, 5])
+def test_bf16_teacher_equals_the_fp32_logits_formula(chunk_rows):
+    generator = torch.Generator().manual_seed(11)
+    vocab, hidden_size, b, t = 300, 32, 2, 9
+    head = (torch.randn(vocab, hidden_size, generator=generator) * 0.5).to(torch.bfloat16)
+    head[7] = head[250]  # a tie: two vocabulary rows give the same logit everywhere; the first must win
+    hot = torch.sort(torch.randperm(vocab, generator=generator)[:64]).values
+    hot[0] = 7
+    hidden = torch.randn(b, t, hidden_size, generator=generator)
+    hidden[0, 0] = head[250].float() * 40  # its greedy token is the tie
+    batch = Batch(input_ids=torch.zeros(b, t, dtype=torch.int64), loss_mask=torch.ones(b, t, dtype=torch.bool),
+                  aux=torch.zeros(b, t, 3 * hidden_size), hidden=hidden, lengths=torch.tensor([t, t - 2]))
+    out = Teacher(head, hot, chunk_rows=chunk_rows)(batch)
+    greedy, probs = _reference(hidden, head, hot)
+    assert greedy[0] == 7
+    assert torch.equal(out.probs.reshape(-1, hot.shape[0]), probs)
+    to_draft = torch.full((vocab,), -1, dtype=torch.int64)
+    to_draft[hot] = torch.arange(hot.shape[0])
+    assert torch.equal(out.target.reshape(-1), to_draft[greedy])
+    assert out.target[0, 0] == 0 and (out.target == -1).any()
