@@ -43,7 +43,8 @@ from typing import Any, Callable
 import torch
 
 from engine.capture.segments import write_segment
-from engine.capture.spool_process import DEFAULT_SLOT_TOKENS, WRITER_ENV, slot_tokens_from_env, writer_mode_from_env
+from engine.capture.spool_process import (DEFAULT_SLOT_TOKENS, WRITER_ENV, WRITER_MODES, slot_tokens_from_env,
+                                          writer_mode_from_env)
 from engine.io.names import is_safe_name
 from engine.errors import EngineError
 
@@ -134,7 +135,7 @@ class CaptureHook:
     def __init__(self, spool_dir: str, layers: list[int], rank_fn: Callable[[], int],
                  health_prefix: str = HEALTH_CHECK_PREFIX, writer: str = "process",
                  slot_tokens: int = DEFAULT_SLOT_TOKENS) -> None:
-        if writer not in ("process", "threads"):
+        if writer not in WRITER_MODES:
             raise CaptureConfigError(f"{WRITER_ENV}={writer!r}: use \"process\" (the default) or \"threads\"")
         self.spool_dir = spool_dir
         self.layers = list(layers)
