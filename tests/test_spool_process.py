@@ -237,7 +237,7 @@ def test_each_piece_is_answered_as_soon_as_its_rows_are_written(tmp_path):
         assert a_answered.wait(30), f"A was not answered while a later row of its slot was stuck: {events}"
         time.sleep(0.2)
         with lock:
-            assert [event[1] for event in events] == [4, 0] or [event[1] for event in events] == [0, 4], events
+            assert sorted(event[1] for event in events) == [0, 4], events  # D (no tokens) and A, nothing else
         for fifo in stuck.parent.glob(".*.tmp"):  # opening lets the writer in; closing fails its write
             os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
         errors = replies.wait()
