@@ -178,7 +178,7 @@ def run_ours(cfg, t: int, ttt: int, attention: str, device: torch.device, iters:
     previous = os.environ.get("EAGLE3_TRAIN_PLAIN_AUTOCAST")
     os.environ["EAGLE3_TRAIN_PLAIN_AUTOCAST"] = "1" if plain else "0"
     try:
-        r = run_length(cfg, t, ttt, iters, "sdpa" if attention == "sdpa" else "flex", variant, device, None, profile)
+        r = run_length(cfg, t, ttt, iters, attention, variant, device, None, profile)
     finally:
         if previous is None:
             del os.environ["EAGLE3_TRAIN_PLAIN_AUTOCAST"]
@@ -202,14 +202,17 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="default 2048 4096")
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"], help="both sides")
+    parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"],
+                        help="both sides (ours@BACKEND sides choose their own)")
     parser.add_argument("--loss", default="fused-compiled", choices=["fused", "fused-compiled", "checkpoint"],
                         help="this project's loss head (fused-compiled: the trainer's default on CUDA)")
     parser.add_argument("--sides", nargs="+", default=["ours", "specforge"],
-                        choices=["ours", "ours/prefetched-ahead", "ours/pageable", "ours/plain-autocast", "specforge"],
+                        choices=["ours", "ours/prefetched-ahead", "ours/pageable", "ours/plain-autocast", "specforge",
+                                 "ours@flash", "ours@cudnn", "ours@sdpa"],
                         help="ours/pageable: this project's step copying a pageable batch inside the step (before "
                              "session 10); ours/prefetched-ahead: BatchPrefetcher(ahead=1); ours/plain-autocast: "
-                             "EAGLE3_TRAIN_PLAIN_AUTOCAST=1, the mixed precision before engine.train.mixed")
+                             "EAGLE3_TRAIN_PLAIN_AUTOCAST=1, the mixed precision before engine.train.mixed; "
+                             "ours@BACKEND: our step with that attention backend (SpecForge keeps --attention)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="kernels listed per --profile table")
     parser.add_argument("--cpu-smoke", action="store_true")
@@ -245,9 +248,11 @@ def main() -> int:
         for side in args.sides:
             try:
                 if side.startswith("ours"):
-                    profiled = args.profile and side in ("ours", "ours/plain-autocast")
-                    r = run_ours(cfg, t, args.ttt, attention, device, iters, profiled, args.loss,
-                                 side.partition("/")[2] or "prefetched")
+                    name, _, our_attention = side.partition("@")
+                    profiled = args.profile and name in ("ours", "ours/plain-autocast")
+                    r = run_ours(cfg, t, args.ttt, our_attention or attention, device, iters, profiled, args.loss,
+                                 name.partition("/")[2] or "prefetched")
+                    r["side"] = side
                 else:
                     r = run_specforge(sf, cfg, t, args.ttt, attention, device, iters, args.profile)
             except torch.OutOfMemoryError as exc:
@@ -261,10 +266,12 @@ def main() -> int:
             print(describe(r, peak), flush=True)
             if "kernels" in r:
                 print_kernels(r["kernels"], device.type == "cuda")
-        if "ours" in pair and "specforge" in pair:
-            ours, theirs = pair["ours"], pair["specforge"]
+        theirs = pair.get("specforge")
+        for side, ours in pair.items() if theirs else ():
+            if side == "specforge" or "/" in side:
+                continue
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-            line = f"T={t:6d} ratio                  {ratio:5.2f}x SpecForge's tok/s (goal {GOAL:.2f}x)"
+            line = f"T={t:6d} ratio {side:16s} {ratio:5.2f}x SpecForge's tok/s (goal {GOAL:.2f}x)"
             if ours["peak_gib"] is not None:
                 line += f"  peak {ours['peak_gib'] - theirs['peak_gib']:+5.2f} GiB vs SpecForge"
             print(line, flush=True)

@@ -1,6 +1,6 @@
 """Drafter training throughput at Llama-3.1-8B drafter shapes on one GPU.
 
-    python bench/training.py [--lengths 2048 4096 16384] [--steps 7] [--backend flex|sdpa]
+    python bench/training.py [--lengths 2048 4096 16384] [--steps 7] [--backend flex|sdpa|flash|cudnn]
                              [--loss fused|fused-compiled|checkpoint ...] [--optim fused|foreach]
                              [--embed bf16|fp32] [--zero-grad early|late] [--chunk-rows N]
                              [--batches prefetched|pageable ...] [--compare] [--profile] [--cpu-smoke]
@@ -254,7 +254,7 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="default 2048 4096 16384")
     parser.add_argument("--steps", type=int, default=7, help="TTT steps")
     parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--backend", default="flex", choices=["flex", "sdpa"])
+    parser.add_argument("--backend", default="flex", choices=["flex", "sdpa", "flash", "cudnn"])
     parser.add_argument("--loss", nargs="+", default=["fused"], choices=["fused", "fused-compiled", "checkpoint"],
                         help="one run per value, side by side")
     parser.add_argument("--batches", nargs="+", default=["prefetched"], choices=["prefetched", "prefetched-ahead", "pageable"],

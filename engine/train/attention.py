@@ -8,6 +8,10 @@ This is the attention SGLang performs while drafting a chain: step-0 keys are th
 cache, later keys are the drafted tokens at positions t+1, t+2, ...
 
 Backends:
+  flash A fused causal kernel (FlashAttention-2 on CUDA, PyTorch's flash kernel on the CPU) over the
+        step-0 keys, merged in log-space with the diagonal scores; its backward gets the merged
+        output and log-sum-exp (engine.train.merged_attention). No compilation per length.
+  cudnn The same with cuDNN's fused attention on CUDA.
   flex  FlexAttention over the concatenated keys with a block mask (GPU; compiled; memory
         linear in T, the diagonal blocks cost k*T*block extra work, not k*T^2).
   sdpa  exact and differentiable everywhere (CPU included): SDPA with causal flash/efficient
@@ -31,6 +35,10 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
         return _flex(q, keys, values)
     if backend == "dense":
         return _dense(q, keys, values)
+    if backend in ("flash", "cudnn"):
+        from engine.train.merged_attention import kernel_for, merged_ttt_attention
+
+        return merged_ttt_attention(q, keys, values, kernel_for(q.device, backend))
     return _sdpa_merge(q, keys, values)
 
 

@@ -1,0 +1,192 @@
+"""TTT attention from a fused causal kernel plus the diagonal, merged in log space.
+
+The fused kernel (FlashAttention-2 or cuDNN on CUDA, PyTorch's flash kernel on the CPU) attends over
+the step-0 keys and returns its output and log-sum-exp; each query's S diagonal keys (its own position
+in TTT steps 1..S) are S dot products. Backward hands the kernel the *merged* output and log-sum-exp:
+its P = exp(qk - lse) and D = rowsum(dO * O) are then those of the whole softmax, so the step-0 part's
+gradients come out exact with no extra pass over the scores, and the diagonal's are elementwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.train.mixed import compiled_or_eager
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class CausalKernel:
+    """A fused causal attention with the two entry points this merge needs."""
+
+    name: str
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple]]  # (q, k, v, scale) -> out, lse, state
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (dout, q, k, v, out, lse, state, scale)
+
+
+def _flash_forward(q, k, v, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _flash_backward(dout, q, k, v, out, lse, state, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    return aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+
+
+def _cudnn_forward(q, k, v, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, state, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    no_bias = torch.empty(0, device=q.device, dtype=q.dtype)
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, no_bias, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+
+
+def _cpu_forward(q, k, v, scale):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_backward(dout, q, k, v, out, lse, state, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+KERNELS = {
+    "flash": CausalKernel("flash", _flash_forward, _flash_backward),
+    "cudnn": CausalKernel("cudnn", _cudnn_forward, _cudnn_backward),
+    "cpu": CausalKernel("cpu", _cpu_forward, _cpu_backward),
+}
+
+
+def kernel_for(device: torch.device, preferred: str = "flash") -> CausalKernel:
+    return KERNELS[preferred] if device.type == "cuda" else KERNELS["cpu"]
+
+
+@functools.lru_cache(maxsize=8)
+def native_gqa(kernel_name: str, device: str) -> bool:
+    """Whether this kernel takes fewer key/value heads than query heads (else they are repeated)."""
+    kernel = KERNELS[kernel_name]
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    q = torch.randn(1, 4, 8, 64, device=device, dtype=dtype, requires_grad=False)
+    kv = torch.randn(1, 2, 8, 64, device=device, dtype=dtype)
+    try:
+        out, lse, state = kernel.forward(q, kv, kv, 0.125)
+        dq, dk, dv = kernel.backward(torch.ones_like(out), q, kv, kv, out, lse, state, 0.125)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return dk.shape == kv.shape and dq.shape == q.shape
+
+
+def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, kv, T, d] -> [B, kv*groups, T, d], query head j reading kv head j // groups."""
+    return x if groups == 1 else x.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(1, 2)
+
+
+def _sum_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.unflatten(1, (-1, groups)).sum(2)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (the merge's arithmetic), float64 kept as it is."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _merge_forward(q, out_c, lse_c, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], scale: float):
+    """The whole softmax from the causal part's (out, lse) and the diagonal keys, in fp32.
+
+    Returns out [B, kv, g, T, d], lse and the diagonal scores s [S, B, kv, g, T]."""
+    kv = diag_k[0].shape[1]
+    qf = _wide(q.unflatten(1, (kv, -1)))  # [B, kv, g, T, d]: no copy of the keys per group
+    s = torch.stack([(qf * _wide(k.unsqueeze(2))).sum(-1) for k in diag_k]) * scale
+    lse_c = _wide(lse_c).reshape(s.shape[1:])
+    lse = torch.logsumexp(torch.cat([lse_c.unsqueeze(0), s]), dim=0)
+    out = _wide(out_c.unflatten(1, (kv, -1))) * torch.exp(lse_c - lse).unsqueeze(-1)
+    for i, v in enumerate(diag_v):
+        out = out + torch.exp(s[i] - lse).unsqueeze(-1) * _wide(v.unsqueeze(2))
+    return out, lse, s
+
+
+def _diag_backward(dout, q, out, lse, s, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], scale: float):
+    """Gradients of the diagonal terms: (dq from them, [dk_i], [dv_i]), fp32."""
+    kv = diag_k[0].shape[1]
+    doutf = _wide(dout.unflatten(1, (kv, -1)))
+    qf = _wide(q.unflatten(1, (kv, -1)))
+    lse = _wide(lse).reshape(s.shape[1:])
+    rowdot = (doutf * _wide(out.unflatten(1, (kv, -1)))).sum(-1)  # D = rowsum(dO * O)
+    dq = torch.zeros_like(qf)
+    dks, dvs = [], []
+    for i, (k, v) in enumerate(zip(diag_k, diag_v)):
+        p = torch.exp(s[i] - lse)
+        dvs.append((p.unsqueeze(-1) * doutf).sum(2))
+        ds = p * ((doutf * _wide(v.unsqueeze(2))).sum(-1) - rowdot) * scale
+        dq = dq + ds.unsqueeze(-1) * _wide(k.unsqueeze(2))
+        dks.append((ds.unsqueeze(-1) * qf).sum(2))
+    return dq.flatten(1, 2), dks, dvs
+
+
+merge_forward = compiled_or_eager(_merge_forward)
+diag_backward = compiled_or_eager(_diag_backward)
+
+
+class MergedTTTAttention(torch.autograd.Function):
+    """out = softmax over (causal step-0 keys, this position's keys of steps 1..S) applied to the values."""
+
+    @staticmethod
+    def forward(ctx, kernel: CausalKernel, scale: float, q, k0, v0, *diag):
+        groups = q.shape[1] // k0.shape[1]
+        expand = groups > 1 and not native_gqa(kernel.name, str(q.device))
+        kc, vc = (_expand_heads(k0, groups), _expand_heads(v0, groups)) if expand else (k0, v0)
+        out_c, lse_c, state = kernel.forward(q, kc, vc, scale)
+        half = len(diag) // 2
+        diag_k, diag_v = list(diag[:half]), list(diag[half:])
+        if diag_k:
+            merged, lse_all, s = merge_forward(q, out_c, lse_c, diag_k, diag_v, scale)
+            out = torch.empty_like(out_c)  # the kernel's own layout: its backward and o_proj read it cheaply
+            out.copy_(merged.flatten(1, 2))
+            lse = torch.empty_like(lse_c)
+            lse.copy_(lse_all.reshape(lse_c.shape))
+        else:
+            out, lse, s = out_c, lse_c, None
+        ctx.kernel, ctx.scale, ctx.groups, ctx.expand, ctx.state, ctx.half = kernel, scale, groups, expand, state, half
+        ctx.save_for_backward(q, k0, v0, out, lse, *([s] if s is not None else []), *diag)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, out, lse, *rest = ctx.saved_tensors
+        half, groups = ctx.half, ctx.groups
+        s = rest[0] if half else None
+        diag = rest[1:] if half else []
+        diag_k, diag_v = list(diag[:half]), list(diag[half:])
+        kc, vc = (_expand_heads(k0, groups), _expand_heads(v0, groups)) if ctx.expand else (k0, v0)
+        dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+        dq, dk0, dv0 = ctx.kernel.backward(dout, q, kc, vc, out, lse, ctx.state, ctx.scale)
+        if ctx.expand:
+            dk0, dv0 = _sum_heads(dk0, groups), _sum_heads(dv0, groups)
+        dks: list = []
+        dvs: list = []
+        if half:
+            dq_diag, dks, dvs = diag_backward(dout, q, out, lse, s, diag_k, diag_v, ctx.scale)
+            dq = (_wide(dq) + dq_diag).to(q.dtype)
+            dks = [g.to(k.dtype) for g, k in zip(dks, diag_k)]
+            dvs = [g.to(v.dtype) for g, v in zip(dvs, diag_v)]
+        return (None, None, dq, dk0.to(k0.dtype), dv0.to(v0.dtype), *dks, *dvs)
+
+
+def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                         kernel: CausalKernel | None = None) -> torch.Tensor:
+    """q [B, h, T, d]; keys/values: one [B, kv, T, d] per TTT step so far (step 0 first)."""
+    kernel = kernel or kernel_for(q.device)
+    return MergedTTTAttention.apply(kernel, q.shape[-1] ** -0.5, q, keys[0], values[0], *keys[1:], *values[1:])

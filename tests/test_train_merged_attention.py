@@ -1,0 +1,119 @@
+"""The fused-kernel TTT attention (engine.train.merged_attention) against the dense-mask reference.
+
+The reference is one SDPA over all keys with an explicit [T, S*T] mask: a different computation, so
+agreement in float64 (to rounding) says the log-space merge and the merged-LSE backward are exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.train.attention import ttt_attention
+
+
+def _inputs(batch, kv, groups, t, d, steps, dtype, device="cpu", seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype).requires_grad_()
+
+    q = rnd(batch, kv * groups, t, d)
+    keys = [rnd(batch, kv, t, d) for _ in range(steps)]
+    values = [rnd(batch, kv, t, d) for _ in range(steps)]
+    return q, keys, values
+
+
+def _value_and_grads(backend, q, keys, values, weight):
+    out = ttt_attention(q, keys, values, backend)
+    grads = torch.autograd.grad((out.double() * weight).sum(), [q, *keys, *values])
+    return out, grads
+
+
+@pytest.mark.parametrize("groups,steps", [(1, 1), (1, 4), (4, 1), (2, 3), (4, 7)])
+def test_flash_backend_equals_the_dense_reference_in_float64(groups, steps):
+    q, keys, values = _inputs(2, 2, groups, 37, 16, steps, torch.float64)
+    weight = torch.randn(q.shape, dtype=torch.float64)
+    out, grads = _value_and_grads("flash", q, keys, values, weight)
+    ref_out, ref_grads = _value_and_grads("dense", q, keys, values, weight)
+    assert out.shape == ref_out.shape
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    for name, got, want in zip(["q"] + [f"k{i}" for i in range(steps)] + [f"v{i}" for i in range(steps)],
+                               grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_a_wrong_diagonal_is_caught():
+    """The comparison above can fail: a diagonal key moved by one position changes the output."""
+    q, keys, values = _inputs(1, 2, 2, 19, 8, 3, torch.float64)
+    shifted = [keys[0], keys[1].roll(1, dims=2), keys[2]]
+    assert not torch.allclose(ttt_attention(q, shifted, values, "flash"), ttt_attention(q, keys, values, "dense"))
+
+
+def test_flash_backend_in_float32_matches_the_memory_linear_sdpa_backend():
+    q, keys, values = _inputs(1, 2, 2, 64, 32, 4, torch.float32, seed=3)
+    weight = torch.randn(q.shape, dtype=torch.float64)
+    out, grads = _value_and_grads("flash", q, keys, values, weight)
+    ref_out, ref_grads = _value_and_grads("sdpa", q, keys, values, weight)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("groups,steps,t", [(4, 1, 256), (4, 7, 1000), (1, 3, 512)])
+def test_cuda_kernels_in_bf16_match_the_float64_reference(backend, groups, steps, t):
+    q, keys, values = _inputs(1, 8 // groups, groups, t, 128, steps, torch.bfloat16, device="cuda", seed=5)
+    weight = torch.randn(q.shape, dtype=torch.float64, device="cuda")
+    out, grads = _value_and_grads(backend, q, keys, values, weight)
+    as64 = [x.detach().double().requires_grad_() for x in (q, *keys, *values)]
+    ref_out, ref_grads = _value_and_grads("dense", as64[0], as64[1:1 + steps], as64[1 + steps:], weight)
+    # bf16 inputs, fp32 accumulation: compare as relative errors against the float64 truth
+    assert ((out.double() - ref_out).norm() / ref_out.norm()).item() < 1e-2
+    for got, want in zip(grads, ref_grads):
+        assert ((got.double() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_a_training_step_with_the_flash_backend_equals_the_sdpa_backend(monkeypatch):
+    """Through the drafter: same loss and gradients as the memory-linear backend (float32 on the CPU)."""
+    from engine.train.data import Batch, TeacherOut
+    from engine.train.loss import TTTModel
+    from tests.test_train_mixed import TTT, inputs, tiny_drafter
+
+    monkeypatch.setenv("EAGLE3_TRAIN_PLAIN_AUTOCAST", "0")
+    results = []
+    for backend in ("flash", "sdpa"):
+        model = tiny_drafter()
+        batch, teacher = inputs()
+        batch = Batch(batch.input_ids, batch.loss_mask, batch.aux.float(), batch.hidden.float(), batch.lengths)
+        teacher = TeacherOut(teacher.probs.float(), teacher.target, teacher.keep)
+        loss, _ = TTTModel(model, TTT, backend)(batch, teacher)
+        loss.backward()
+        results.append((float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-4 * float(g.abs().max()), msg=name)
+
+
+def test_the_compiled_merge_traces_to_the_eager_result(monkeypatch):
+    """On CUDA the merge and the diagonal backward are compiled: dynamo (aot_eager here) must agree."""
+    from engine.train import merged_attention, mixed
+
+    real_compile = torch.compile
+    monkeypatch.setattr(mixed, "_BROKEN", [])
+    monkeypatch.setattr(mixed, "COMPILE_DEVICES", ("cpu",))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, dynamic=True, backend="aot_eager"))
+    monkeypatch.setattr(merged_attention, "merge_forward", mixed.compiled_or_eager(merged_attention._merge_forward))
+    monkeypatch.setattr(merged_attention, "diag_backward", mixed.compiled_or_eager(merged_attention._diag_backward))
+    q, keys, values = _inputs(1, 2, 2, 29, 16, 3, torch.float32, seed=7)
+    weight = torch.randn(q.shape, dtype=torch.float64)
+    out, grads = _value_and_grads("flash", q, keys, values, weight)
+    assert not mixed._BROKEN
+    monkeypatch.setattr(mixed, "COMPILE_DEVICES", ())
+    ref_out, ref_grads = _value_and_grads("flash", q, keys, values, weight)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
