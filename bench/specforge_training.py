@@ -255,8 +255,9 @@ def main() -> int:
                     r["side"] = side
                 else:
                     r = run_specforge(sf, cfg, t, args.ttt, attention, device, iters, args.profile)
-            except torch.OutOfMemoryError as exc:
-                r = {"side": side, "tokens": t, "error": f"OOM: {str(exc).splitlines()[0]}"}
+            except RuntimeError as exc:  # OOM, or a kernel this GPU lacks: the other sides still run
+                kind = "OOM" if isinstance(exc, torch.OutOfMemoryError) else type(exc).__name__
+                r = {"side": side, "tokens": t, "error": f"{kind}: {str(exc).splitlines()[0] if str(exc) else ''}"}
                 torch.cuda.empty_cache()
             rows.append(r)
             if "error" in r:

@@ -278,7 +278,8 @@ def main() -> int:
         variants.insert(0, ("old", LEGACY))
     if args.cpu_smoke:
         device, cfg = torch.device("cpu"), DraftConfig(**SMOKE_SHAPES)
-        lengths, backend, iters, peak = args.lengths or [64, 128], "sdpa", min(args.iters, 2), None
+        backend = args.backend if args.backend in ("sdpa", "flash") else "sdpa"  # the CPU has no flex/cuDNN kernels
+        lengths, iters, peak = args.lengths or [64, 128], min(args.iters, 2), None
         print(f"CPU smoke  torch {torch.__version__}  tiny drafter (hidden {cfg.hidden_size}, draft vocab "
               f"{cfg.draft_vocab_size}): figures check that the script runs, nothing more; on the CPU "
               "the embedding stays fp32 and AdamW is not fused")

@@ -117,3 +117,21 @@ def test_the_compiled_merge_traces_to_the_eager_result(monkeypatch):
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_device_without_the_fused_kernel_falls_back_to_the_exact_sdpa_path(monkeypatch, capsys):
+    from engine.train import merged_attention
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    broken = merged_attention.CausalKernel("cpu", no_kernel, no_kernel)
+    monkeypatch.setitem(merged_attention.KERNELS, "cpu", broken)
+    merged_attention.kernel_works.cache_clear()
+    try:
+        q, keys, values = _inputs(1, 2, 2, 23, 8, 3, torch.float64)
+        out = ttt_attention(q, keys, values, "flash")
+    finally:
+        merged_attention.kernel_works.cache_clear()
+    torch.testing.assert_close(out, ttt_attention(q, keys, values, "dense"), rtol=1e-5, atol=1e-6)  # sdpa merges in fp32
+    assert "cpu attention unavailable on cpu for 8-wide torch.float64 heads (No available kernel" in capsys.readouterr().err

@@ -29,17 +29,34 @@ import torch
 import torch.nn.functional as F
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], backend: str = "sdpa"):
+BACKENDS = ("flash", "cudnn", "sdpa", "flex", "dense")
+DEFAULT_BACKEND = "flash"
+
+
+def check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown TTT attention backend {name!r} (EAGLE3_TRAIN_ATTENTION): use one of "
+                         f"{', '.join(BACKENDS[:4])}; {DEFAULT_BACKEND} is the default")
+    return name
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  backend: str = DEFAULT_BACKEND):
     """q [B, h, T, d]; keys/values: one [B, kv, T, d] per step so far (step 0 first)."""
+    if backend in ("flash", "cudnn"):
+        from engine.train.merged_attention import merged_ttt_attention, usable_kernel
+
+        kernel = usable_kernel(q, backend)
+        if kernel is not None:
+            return merged_ttt_attention(q, keys, values, kernel)
+        return _sdpa_merge(q, keys, values)  # this device has no such fused kernel: the exact fallback
+    if backend == "sdpa":
+        return _sdpa_merge(q, keys, values)
     if backend == "flex":
         return _flex(q, keys, values)
     if backend == "dense":
         return _dense(q, keys, values)
-    if backend in ("flash", "cudnn"):
-        from engine.train.merged_attention import kernel_for, merged_ttt_attention
-
-        return merged_ttt_attention(q, keys, values, kernel_for(q.device, backend))
-    return _sdpa_merge(q, keys, values)
+    raise ValueError(check_backend(backend))
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from engine.io.jsonl import dumps_line
 from engine.system.procinfo import die_with_parent
 from engine.model.target import TargetError, plan_target, sglang_layer_ids
 from engine.train import checkpoint as ckpt
+from engine.train.attention import DEFAULT_BACKEND, check_backend
 from engine.train.data import BatchPrefetcher, RecordData, Teacher, TrainDataError
 from engine.train.loss import STAT_FIELDS, TTTModel, summarize
 from engine.train.model import DraftConfig, Eagle3Drafter
@@ -108,9 +109,12 @@ class Trainer:
         if device is None:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        # flex_attention recompiles for every new sequence length; real datasets have many
-        # lengths, so SDPA (no compilation) is the default. EAGLE3_TRAIN_ATTENTION=flex opts in.
-        self.backend = backend or os.environ.get("EAGLE3_TRAIN_ATTENTION", "sdpa")
+        # flex_attention recompiles for every new sequence length; real datasets have many lengths, so a
+        # fused kernel that needs no compilation (flash) is the default. EAGLE3_TRAIN_ATTENTION picks another.
+        try:
+            self.backend = check_backend(backend or os.environ.get("EAGLE3_TRAIN_ATTENTION", DEFAULT_BACKEND))
+        except ValueError as exc:
+            raise TrainError(str(exc)) from None
         self.out_dir: Path = workspace.drafter_dir
         self.nonfinite_streak = 0  # steps in a row with a non-finite loss or gradient norm
         self.step_finite, self.step_loss, self.step_lr = True, math.nan, math.nan

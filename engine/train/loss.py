@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from engine.train.attention import DEFAULT_BACKEND
 from engine.train.data import Batch, TeacherOut
 from engine.train.mixed import accumulate_fp32, compiled_or_eager, step_weights
 from engine.train.model import Eagle3Drafter, shift_left
@@ -282,7 +283,7 @@ def fused_head_loss(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_ro
 class TTTModel(nn.Module):
     """Wraps the drafter so one forward() covers the whole unrolled step (what DDP needs)."""
 
-    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, backend: str = "sdpa", chunk_rows: int | None = None,
+    def __init__(self, drafter: Eagle3Drafter, ttt_steps: int, backend: str = DEFAULT_BACKEND, chunk_rows: int | None = None,
                  fused_loss: bool = True, compile_head: bool = False):
         super().__init__()
         self.drafter = drafter

@@ -10,6 +10,7 @@ gradients come out exact with no extra pass over the scores, and the diagonal's 
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,6 +73,28 @@ KERNELS = {
 
 def kernel_for(device: torch.device, preferred: str = "flash") -> CausalKernel:
     return KERNELS[preferred] if device.type == "cuda" else KERNELS["cpu"]
+
+
+def usable_kernel(q: torch.Tensor, preferred: str = "flash") -> CausalKernel | None:
+    """The fused kernel for q's device, or None where it cannot run these shapes (FlashAttention-2 needs an
+    Ampere or newer GPU and at most 256-wide heads, say): the caller then takes the exact SDPA path."""
+    kernel = kernel_for(q.device, preferred)
+    return kernel if kernel_works(kernel.name, str(q.device), q.shape[-1], q.dtype) else None
+
+
+@functools.lru_cache(maxsize=32)
+def kernel_works(kernel_name: str, device: str, head_dim: int, dtype: torch.dtype) -> bool:
+    q = torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype)
+    kernel = KERNELS[kernel_name]
+    try:
+        out, lse, state = kernel.forward(q, q, q, head_dim ** -0.5)
+        kernel.backward(torch.ones_like(out), q, q, q, out, lse, state, head_dim ** -0.5)
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        print(f"note: {kernel_name} attention unavailable on {device} for {head_dim}-wide {dtype} heads ({first}); "
+              "training uses the exact SDPA backend", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=8)

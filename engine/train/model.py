@@ -18,6 +18,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from engine.train.attention import DEFAULT_BACKEND
 from engine.train.mixed import CastLinear, compiled_or_eager, rms_norm
 
 
@@ -175,7 +176,7 @@ class Eagle3Drafter(nn.Module):
         """Target aux states [B, T, 3*Ht] -> the step-0 feature [B, T, H]."""
         return self.fc(aux)
 
-    def step(self, input_ids, hidden, position_offset: int, cache: list, backend: str = "sdpa"):
+    def step(self, input_ids, hidden, position_offset: int, cache: list, backend: str = DEFAULT_BACKEND):
         """One TTT step: tokens [B, T] and features [B, T, H] -> pre-norm output [B, T, H]."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device) + position_offset
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
@@ -188,7 +189,7 @@ class Eagle3Drafter(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     @torch.no_grad()
-    def draft_logits(self, input_ids, aux, steps: int = 1, backend: str = "sdpa") -> list[torch.Tensor]:
+    def draft_logits(self, input_ids, aux, steps: int = 1, backend: str = DEFAULT_BACKEND) -> list[torch.Tensor]:
         """Logits of the first `steps` TTT steps (for tests and evaluation)."""
         hidden = self.project(aux)
         cache: list = []
