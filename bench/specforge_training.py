@@ -278,7 +278,7 @@ def main() -> int:
             print(line, flush=True)
     from engine.train import mixed
 
-    fallbacks = {"compiled_kernels": mixed._BROKEN, "fp32_gemm": mixed._FP32_GEMM_BROKEN}
+    fallbacks = {"compiled_kernels": mixed._BROKEN, "fp32_gemm": mixed.FP32_GEMM_BROKEN}
     print(f"ours' fallbacks (empty: the fused paths ran): {fallbacks}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_tflops": peak, "rows": rows, "fallbacks": fallbacks}, indent=1))
