@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.capture.segments import assemble, list_segments, segment_path, write_segment
+from engine.capture.segments import assemble, list_segments, write_segment
 from engine.capture.spool_process import SpoolProcessError, SpoolWriterProcess, shm_room_problem
 from engine.client import ServerClient
 
@@ -192,66 +192,6 @@ def test_a_batch_larger_than_a_slot_is_cut_into_slots_and_a_long_row_into_segmen
             n = lengths[i]
             capture = assemble(process.spool_dir, rid, expected_len=n, expected_input_ids=ids[i, :n].tolist())
             assert torch.equal(capture.aux_hidden_state, aux[i, :n]) and torch.equal(capture.hidden_state, final[i, :n])
-    finally:
-        process.close(timeout=10)
-
-
-def test_each_piece_is_answered_as_soon_as_its_rows_are_written(tmp_path):
-    """A request must not wait for the rest of its batch (closed-loop clients would leave the GPU idle
-    meanwhile). One writer thread; the row after A is held still (a FIFO nobody reads sits at the
-    thread's temporary name): A is answered while that row hangs, before the submit's answer. Once it
-    fails, B (cut over two slots) is answered only after both its segments exist, a bad id fails alone,
-    a piece of no tokens is answered without a write, each exactly once, and the submit's answer last."""
-    hidden = 1024  # a stuck row larger than a pipe's buffer: closing the FIFO fails its write for sure
-    ids, aux, final = _batch(5, 20, hidden, torch.bfloat16)
-    per_token = 8 + 3 * hidden * 2 + hidden * 2
-    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=2, threads=1)
-    process.start()
-    try:
-        warm = _Replies()  # starts the child's one row thread, so its id can be known
-        process.submit(_pieces(["warm"], [1], ids, aux, final), warm)
-        assert warm.wait() == [None]
-        stuck = segment_path(process.spool_dir, "stuck", 0)
-        stuck.parent.mkdir()
-        for tid in os.listdir(f"/proc/{process.pid}/task"):
-            os.mkfifo(stuck.with_name(f".{stuck.name}.{process.pid}-{tid}.tmp"))
-
-        events: list[tuple] = []
-        lock, a_answered = threading.Lock(), threading.Event()
-
-        def on_piece(index: int, error: str | None) -> None:
-            with lock:
-                events.append(("piece", index, error, len(list_segments(process.spool_dir, "B"))))
-            if index == 0:
-                a_answered.set()
-
-        replies = _Replies()
-
-        def on_done(errors: list[str | None]) -> None:
-            with lock:
-                events.append(("done", errors))
-            replies(errors)
-
-        rids, lengths = ["A", "stuck", "B", "../bad", "D"], [5, 9, 12, 3, 0]  # two slots: submit returns
-        process.submit(_pieces(rids, lengths, ids, aux, final), on_done, on_piece=on_piece)
-        assert a_answered.wait(30), f"A was not answered while a later row of its slot was stuck: {events}"
-        time.sleep(0.2)
-        with lock:
-            assert sorted(event[1] for event in events) == [0, 4], events  # D (no tokens) and A, nothing else
-        for fifo in stuck.parent.glob(".*.tmp"):  # opening lets the writer in; closing fails its write
-            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
-        errors = replies.wait()
-        assert errors[0] is None and errors[2] is None and errors[4] is None, errors
-        assert errors[1] is not None and "capture write failed" in errors[1], errors
-        assert errors[3] is not None and "capture write failed" in errors[3], errors
-        pieces = [event for event in events if event[0] == "piece"]
-        assert sorted(event[1] for event in pieces) == [0, 1, 2, 3, 4], events  # each exactly once
-        assert events[-1] == ("done", errors), "the submit's answer comes after every piece's"
-        assert [event[2] for event in sorted(pieces, key=lambda event: event[1])] == errors
-        b_answer = next(event for event in pieces if event[1] == 2)
-        assert b_answer[3] == 2, f"B answered before both its segments existed: {events}"
-        capture = assemble(process.spool_dir, "B", expected_len=12, expected_input_ids=ids[2, :12].tolist())
-        assert torch.equal(capture.aux_hidden_state, aux[2, :12])
     finally:
         process.close(timeout=10)
 

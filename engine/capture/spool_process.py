@@ -78,41 +78,22 @@ Piece = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class _Gather:
-    """One `submit`'s answer, put together from its rows' replies: one error (or None) per piece, a piece
-    cut over several slots keeping its first error. `on_piece(index, error)` as soon as a piece's every
-    part is written (its request need not wait for the rest of its batch); `on_done(errors)` once the
-    last part is back."""
+    """One `submit`'s answer, put together from its slots' replies: one error (or None) per piece,
+    a piece cut over several slots keeping its first error; `on_done` once the last slot is back."""
 
-    def __init__(self, parts_per_piece: list[int], on_done: Callable[[list[str | None]], None],
-                 on_piece: Callable[[int, str | None], None] | None) -> None:
-        self.errors: list[str | None] = [None] * len(parts_per_piece)
-        self.left = list(parts_per_piece)
-        self.parts = sum(parts_per_piece) + 1  # + `start`: on_done never comes before it
+    def __init__(self, pieces: int, slots: int, on_done: Callable[[list[str | None]], None]) -> None:
+        self.errors: list[str | None] = [None] * pieces
+        self.slots = slots
         self.on_done = on_done
-        self.on_piece = on_piece
         self.lock = threading.Lock()
 
-    def start(self) -> None:
-        """Answer the pieces that have nothing to write (no tokens); called once the submit is taken."""
-        if self.on_piece is not None:
-            for index, left in enumerate(self.left):
-                if left == 0:
-                    self.on_piece(index, None)
+    def slot_done(self, indices: list[int], errors: list[str | None]) -> None:
         with self.lock:
-            self.parts -= 1
-            last = self.parts == 0
-        if last:
-            self.on_done(self.errors)
-
-    def part_done(self, index: int, error: str | None) -> None:
-        with self.lock:
-            if self.errors[index] is None:
-                self.errors[index] = error
-            self.left[index] -= 1
-            self.parts -= 1
-            piece_done, last = self.left[index] == 0, self.parts == 0
-        if piece_done and self.on_piece is not None:
-            self.on_piece(index, self.errors[index])
+            for index, error in zip(indices, errors):
+                if self.errors[index] is None:
+                    self.errors[index] = error
+            self.slots -= 1
+            last = self.slots == 0
         if last:
             self.on_done(self.errors)
 
@@ -130,17 +111,8 @@ class _Filled:
     landed: Any  # torch.cuda.Event after the copies, or None (host copies are done)
     keep: list  # the source tensors, alive until the copies have landed
 
-    def answer_all(self, error: str) -> None:
-        for index in self.pieces:
-            self.gather.part_done(index, error)
-
-
-@dataclass
-class _InChild:
-    """A slot in the child's hands: its rows not yet answered; the slot is free again when none is left."""
-
-    filled: _Filled
-    unanswered: set[int]
+    def answer(self, errors: list[str | None]) -> None:
+        self.gather.slot_done(self.pieces, errors)
 
 
 @dataclass(frozen=True)
@@ -229,7 +201,7 @@ class SpoolWriterProcess:
         self._conn: Any = None
         self._reader: threading.Thread | None = None
         self._free: queue.Queue[int] = queue.Queue()
-        self._pending: dict[int, _InChild] = {}
+        self._pending: dict[int, tuple[int, Callable[[list[str | None]], None], int]] = {}
         self._lock = threading.Lock()  # guards _pending, _dead and the pipe's sending end
         self._ids = itertools.count()
         self._dead: str | None = None
@@ -352,8 +324,7 @@ class SpoolWriterProcess:
         """How many tokens of `per_token` bytes (ids and every state) one slot holds, packed."""
         return max(0, (self.slot_bytes - _BLOCK_SLACK) // per_token)
 
-    def submit(self, pieces: Sequence[Piece], on_done: Callable[[list[str | None]], None],
-               on_piece: Callable[[int, str | None], None] | None = None) -> None:
+    def submit(self, pieces: Sequence[Piece], on_done: Callable[[list[str | None]], None]) -> None:
         """Hand these segments to the child: piece i is (rid, start position, ids [n], aux [n, k*H],
         final [n, H]) on the host, views welcome. They are packed one after another into as many slots
         as they need; a piece longer than a slot's room becomes consecutive segments of its request
@@ -361,22 +332,19 @@ class SpoolWriterProcess:
         before this returns (the caller may reuse them). CUDA pieces are copied on the current stream,
         straight into the arena (registered with CUDA on first use): the copies are queued, a slot goes
         to the child once its copies have landed, and the pieces are kept alive until then. Blocks
-        while every slot is in the child's hands. `on_piece(index, error)` is called, from another thread,
-        as soon as piece `index` is written (the child answers a row at a time, so a request does not wait
-        for the rest of its batch); `on_done(errors)` once, after the last, with one None or error message
-        per piece.
+        while every slot is in the child's hands. `on_done(errors)` is called once, later, from
+        another thread, with one None or error message per piece.
 
         SpoolProcessError only when nothing was handed over (the child is gone); if it dies between
         two slots, the pieces not handed over are answered with that error instead."""
-        plan = self._plan(pieces) if pieces else []
-        parts_per_piece = [0] * len(pieces)
-        for parts in plan:
-            for index, *_ in parts:
-                parts_per_piece[index] += 1
-        gather = _Gather(parts_per_piece, on_done, on_piece)
-        if not plan:  # no piece has a token: nothing to write
-            gather.start()
+        if not pieces:
+            on_done([])
             return
+        plan = self._plan(pieces)
+        if not plan:  # pieces of no tokens: nothing to write
+            on_done([None] * len(pieces))
+            return
+        gather = _Gather(len(pieces), len(plan), on_done)
         for number, parts in enumerate(plan):
             try:
                 self._hand_over(pieces, parts, gather)
@@ -384,11 +352,8 @@ class SpoolWriterProcess:
                 if number == 0:
                     raise
                 for later in plan[number:]:
-                    for index, *_ in later:
-                        gather.part_done(index, f"capture write failed: {exc}")
+                    gather.slot_done([index for index, *_ in later], [f"capture write failed: {exc}"] * len(later))
                 return
-            if number == 0:
-                gather.start()  # after the first hand-over: a refused submit answers nothing
 
     def _plan(self, pieces: Sequence[Piece]) -> list[list[tuple[int, int, int]]]:
         """Pieces cut into slots: per slot, (piece index, first token, tokens) in packing order."""
@@ -478,7 +443,7 @@ class SpoolWriterProcess:
                 if error is None and self._dead is not None:
                     error = f"capture write failed: {self._dead}"
                 if error is None:
-                    self._pending[batch_id] = _InChild(filled, set(range(len(filled.rows))))
+                    self._pending[batch_id] = (filled.slot, filled.answer, len(filled.rows))
                     try:
                         self._conn.send((batch_id, filled.base, filled.rows, filled.blocks))
                     except OSError as exc:
@@ -486,11 +451,9 @@ class SpoolWriterProcess:
                         error = f"capture write failed: the capture writer process is gone ({exc})"
             if error is not None:
                 self._free.put(filled.slot)
-                filled.answer_all(error)
+                filled.answer([error] * len(filled.rows))
 
     def _read_replies(self) -> None:
-        """The child's answers, one a row: the row's request is answered at once, and a slot is free again
-        once its last row is."""
         clean = False
         while True:
             try:
@@ -500,16 +463,11 @@ class SpoolWriterProcess:
             if reply is None:  # the child's last word after a clean stop
                 clean = True
                 break
-            batch_id, row, error = reply
+            batch_id, errors = reply
             with self._lock:
-                held = self._pending[batch_id]
-                held.unanswered.discard(row)
-                slot_free = not held.unanswered
-                if slot_free:
-                    del self._pending[batch_id]
-            held.filled.gather.part_done(held.filled.pieces[row], error)
-            if slot_free:
-                self._free.put(held.filled.slot)
+                slot, on_done, _ = self._pending.pop(batch_id)
+            self._free.put(slot)
+            on_done(errors)
         self._process.join(5)
         code = self._process.exitcode
         with self._lock:
@@ -517,17 +475,15 @@ class SpoolWriterProcess:
                 self._dead = (f"the capture writer process exited (code {code}) with {len(self._pending)} "
                               "batch(es) unwritten; those requests failed (the extraction job retries them)")
             orphans, self._pending = list(self._pending.values()), {}
-        for held in orphans:
-            self._free.put(held.filled.slot)
-            for row in sorted(held.unanswered):
-                held.filled.gather.part_done(held.filled.pieces[row], f"capture write failed: {self._dead}")
+        for slot, on_done, rows in orphans:
+            self._free.put(slot)
+            on_done([f"capture write failed: {self._dead}"] * rows)
         if self._dead is not None and self._on_failure is not None:
             self._on_failure(self._dead)
 
 
 def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], threads: int) -> None:
-    """The writer process: attach the arena, then write each batch's rows on `threads` threads, answering
-    each row as soon as it is written."""
+    """The writer process: attach the arena, then write each batch's rows on `threads` threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engine.capture.segments import write_segment
@@ -537,21 +493,29 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
     send_lock = threading.Lock()
     conn.send("ready")
 
-    def write_row(batch_id: int, row: int, base: int, segment: tuple[str, int, int, int],
-                  blocks: list[_Block]) -> None:
-        rid, start, at, n = segment  # its tokens are rows at..at+n of the slot
-        ids, aux, final = (_view(arena, base, block)[at:at + n] for block in blocks)
+    def write_row(ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor, rid: str, start: int) -> str | None:
         try:
             write_segment(spool_dir, rid, start, ids, aux, final, layers)
-            error = None
         except Exception as exc:  # reported per row: one bad request must not fail its batch
-            error = f"capture write failed: {one_line(exc)}"
-        with send_lock:
-            conn.send((batch_id, row, error))
+            return f"capture write failed: {one_line(exc)}"
+        return None
 
-    # Rows of consecutive batches queue in order on one pool: a batch's last rows and the next batch's
-    # first ones are written at once.
-    with ThreadPoolExecutor(threads, thread_name_prefix="row") as rows:
+    def write_batch(batch_id: int, base: int, segments: list[tuple[str, int, int, int]],
+                    blocks: list[_Block]) -> None:
+        ids, aux, final = (_view(arena, base, block) for block in blocks)
+
+        def one(segment: tuple[str, int, int, int]) -> str | None:
+            rid, start, at, n = segment  # its tokens are rows at..at+n of the slot
+            return write_row(ids[at:at + n], aux[at:at + n], final[at:at + n], rid, start)
+
+        errors = list(rows.map(one, segments))
+        with send_lock:
+            conn.send((batch_id, errors))
+
+    # Two batches in progress at once (one finishing its last rows while the next starts), a
+    # batch's rows in parallel on `rows`.
+    with ThreadPoolExecutor(threads, thread_name_prefix="row") as rows, \
+            ThreadPoolExecutor(2, thread_name_prefix="batch") as batches:
         while True:
             try:
                 message = conn.recv()
@@ -559,9 +523,7 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
                 break
             if message is None:
                 break
-            batch_id, base, segments, blocks = message
-            for row, segment in enumerate(segments):
-                rows.submit(write_row, batch_id, row, base, segment, blocks)
+            batches.submit(write_batch, *message)
     with send_lock:
         try:
             conn.send(None)

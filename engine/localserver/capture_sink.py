@@ -200,22 +200,18 @@ class CaptureSink:
         pieces = [(completion.request.rid, 0, host_ids[row, :lengths[row]], aux_states[i, :lengths[row]],
                    final_states[i, :lengths[row]]) for i, (completion, row) in enumerate(zip(batch, rows))]
 
-        def answer(index: int, error: str | None) -> None:
-            # As each row is written: its request goes back to its client, which can send the next one while
-            # the rest of the batch is written (a batch answered as one leaves the GPU idle meanwhile).
-            batch[index].finish_capture(error=error)
-
-        def done(_errors: list[str | None]) -> None:
-            pass  # every row was answered on its own
+        def answer(errors: list[str | None]) -> None:
+            for completion, error in zip(batch, errors):
+                completion.finish_capture(error=error)
 
         for completion in batch:
             completion.capture_queued = True
         try:
             if final_states.is_cuda:
                 with torch.cuda.stream(self._copy_stream_after(aux_states, final_states)):
-                    writer.submit(pieces, done, on_piece=answer)
+                    writer.submit(pieces, answer)
             else:
-                writer.submit(pieces, done, on_piece=answer)
+                writer.submit(pieces, answer)
         except SpoolProcessError:  # the child is gone (on_failure said so): the threads take the batch
             return False
         return True
