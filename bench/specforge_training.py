@@ -208,7 +208,7 @@ def main() -> int:
                         help="this project's loss head (fused-compiled: the trainer's default on CUDA)")
     parser.add_argument("--sides", nargs="+", default=["ours", "specforge"],
                         choices=["ours", "ours/prefetched-ahead", "ours/pageable", "ours/plain-autocast", "specforge",
-                                 "ours@flash", "ours@cudnn", "ours@sdpa"],
+                                 "ours@flash", "ours@sdpa"],
                         help="ours/pageable: this project's step copying a pageable batch inside the step (before "
                              "session 10); ours/prefetched-ahead: BatchPrefetcher(ahead=1); ours/plain-autocast: "
                              "EAGLE3_TRAIN_PLAIN_AUTOCAST=1, the mixed precision before engine.train.mixed; "

@@ -1,6 +1,6 @@
 """Drafter training throughput at Llama-3.1-8B drafter shapes on one GPU.
 
-    python bench/training.py [--lengths 2048 4096 16384] [--steps 7] [--backend flex|sdpa|flash|cudnn]
+    python bench/training.py [--lengths 2048 4096 16384] [--steps 7] [--backend flex|sdpa|flash]
                              [--loss fused|fused-compiled|checkpoint ...] [--optim fused|foreach]
                              [--embed bf16|fp32] [--zero-grad early|late] [--chunk-rows N]
                              [--batches prefetched|pageable ...] [--compare] [--profile] [--cpu-smoke]
@@ -254,7 +254,7 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="default 2048 4096 16384")
     parser.add_argument("--steps", type=int, default=7, help="TTT steps")
     parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--backend", default="flex", choices=["flex", "sdpa", "flash", "cudnn"])
+    parser.add_argument("--backend", default="flex", choices=["flex", "sdpa", "flash"])
     parser.add_argument("--loss", nargs="+", default=["fused"], choices=["fused", "fused-compiled", "checkpoint"],
                         help="one run per value, side by side")
     parser.add_argument("--batches", nargs="+", default=["prefetched"], choices=["prefetched", "prefetched-ahead", "pageable"],
@@ -278,7 +278,7 @@ def main() -> int:
         variants.insert(0, ("old", LEGACY))
     if args.cpu_smoke:
         device, cfg = torch.device("cpu"), DraftConfig(**SMOKE_SHAPES)
-        backend = args.backend if args.backend in ("sdpa", "flash") else "sdpa"  # the CPU has no flex/cuDNN kernels
+        backend = args.backend if args.backend in ("sdpa", "flash") else "sdpa"  # flex is compiled for CUDA
         lengths, iters, peak = args.lengths or [64, 128], min(args.iters, 2), None
         print(f"CPU smoke  torch {torch.__version__}  tiny drafter (hidden {cfg.hidden_size}, draft vocab "
               f"{cfg.draft_vocab_size}): figures check that the script runs, nothing more; on the CPU "

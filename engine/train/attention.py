@@ -11,7 +11,6 @@ Backends:
   flash A fused causal kernel (FlashAttention-2 on CUDA, PyTorch's flash kernel on the CPU) over the
         step-0 keys, merged in log-space with the diagonal scores; its backward gets the merged
         output and log-sum-exp (engine.train.merged_attention). No compilation per length.
-  cudnn The same with cuDNN's fused attention on CUDA.
   flex  FlexAttention over the concatenated keys with a block mask (GPU; compiled; memory
         linear in T, the diagonal blocks cost k*T*block extra work, not k*T^2).
   sdpa  exact and differentiable everywhere (CPU included): SDPA with causal flash/efficient
@@ -29,21 +28,21 @@ import torch
 import torch.nn.functional as F
 
 
-BACKENDS = ("flash", "cudnn", "sdpa", "flex", "dense")
+BACKENDS = ("flash", "sdpa", "flex", "dense")
 DEFAULT_BACKEND = "flash"
 
 
 def check_backend(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown TTT attention backend {name!r} (EAGLE3_TRAIN_ATTENTION): use one of "
-                         f"{', '.join(BACKENDS[:4])}; {DEFAULT_BACKEND} is the default")
+                         f"{', '.join(BACKENDS[:3])}; {DEFAULT_BACKEND} is the default")
     return name
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   backend: str = DEFAULT_BACKEND):
     """q [B, h, T, d]; keys/values: one [B, kv, T, d] per step so far (step 0 first)."""
-    if backend in ("flash", "cudnn"):
+    if backend == "flash":
         from engine.train.merged_attention import merged_ttt_attention, usable_kernel
 
         kernel = usable_kernel(q, backend)
