@@ -78,7 +78,9 @@ def test_a_training_step_with_the_flash_backend_equals_the_sdpa_backend(monkeypa
     """Through the drafter: same loss and gradients as the memory-linear backend (float32 on the CPU)."""
     from engine.train.data import Batch, TeacherOut
     from engine.train.loss import TTTModel
-    from tests.test_train_mixed import TTT, inputs, tiny_drafter
+    from tests.helpers.drafters import tiny_drafter, ttt_inputs as inputs
+
+    TTT = 7
 
     monkeypatch.setenv("EAGLE3_TRAIN_PLAIN_AUTOCAST", "0")
     results = []

@@ -15,29 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.train import mixed
 from engine.train.data import Batch, TeacherOut
 from engine.train.loss import TTTModel
-from engine.train.model import Eagle3Drafter
-from tests.helpers.drafters import TINY_TRAIN_CFG, tiny_training_drafter
+from tests.helpers.drafters import TINY_TRAIN_CFG, tiny_drafter
+from tests.helpers.drafters import ttt_inputs as inputs
 
 CFG = TINY_TRAIN_CFG
 TTT = 7
-
-
-def tiny_drafter(seed: int = 0) -> Eagle3Drafter:
-    model = tiny_training_drafter(seed=seed)
-    model.embed_tokens.to(torch.bfloat16)  # as place_drafter holds it on the GPU
-    return model
-
-
-def inputs(t: int = 24, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    h, vd = CFG["hidden_size"], CFG["draft_vocab_size"]
-    ids = torch.randint(0, CFG["vocab_size"], (1, t), generator=gen)
-    aux = torch.randn(1, t, 3 * h, generator=gen).to(torch.bfloat16)
-    batch = Batch(ids, torch.ones(1, t, dtype=torch.bool), aux, torch.zeros(1, t, h, dtype=torch.bfloat16),
-                  torch.tensor([t]))
-    probs = torch.softmax(2.0 * torch.randn(1, t, vd, generator=gen), -1).to(torch.bfloat16)
-    teacher = TeacherOut(probs, torch.randint(-1, vd, (1, t), generator=gen), torch.ones(1, t, dtype=torch.bool))
-    return batch, teacher
 
 
 def step(model, autocast: bool, plain: bool, monkeypatch, log: TorchDispatchMode | None = None,

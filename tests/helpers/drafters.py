@@ -60,3 +60,25 @@ def tiny_training_drafter(dtype: torch.dtype = torch.float32, seed: int = 0) -> 
             elif "norm" in name:
                 param.uniform_(0.5, 1.5)
     return model.to(dtype)
+
+
+def tiny_drafter(seed: int = 0) -> Eagle3Drafter:
+    """tiny_training_drafter with the embedding in bf16, as place_drafter holds it on the GPU."""
+    model = tiny_training_drafter(seed=seed)
+    model.embed_tokens.to(torch.bfloat16)
+    return model
+
+
+def ttt_inputs(t: int = 24, seed: int = 1):
+    """One bf16 record for TINY_TRAIN_CFG and a teacher for it: (Batch, TeacherOut)."""
+    from engine.train.data import Batch, TeacherOut
+
+    gen = torch.Generator().manual_seed(seed)
+    h, vd = TINY_TRAIN_CFG["hidden_size"], TINY_TRAIN_CFG["draft_vocab_size"]
+    ids = torch.randint(0, TINY_TRAIN_CFG["vocab_size"], (1, t), generator=gen)
+    aux = torch.randn(1, t, 3 * h, generator=gen).to(torch.bfloat16)
+    batch = Batch(ids, torch.ones(1, t, dtype=torch.bool), aux, torch.zeros(1, t, h, dtype=torch.bfloat16),
+                  torch.tensor([t]))
+    probs = torch.softmax(2.0 * torch.randn(1, t, vd, generator=gen), -1).to(torch.bfloat16)
+    teacher = TeacherOut(probs, torch.randint(-1, vd, (1, t), generator=gen), torch.ones(1, t, dtype=torch.bool))
+    return batch, teacher
