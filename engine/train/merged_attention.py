@@ -115,8 +115,7 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 def _merge_forward(q, out_c, lse_c, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], scale: float):
     """The whole softmax from the causal part's (out, lse) and the diagonal keys, in fp32.
 
-    Returns out [B, h, T, d] in out_c's dtype, stored as [B, T, h, d] (o_proj's input order, which the
-    kernel's backward reads as well), the fp32 lse [B, kv, g, T] and the diagonal scores [S, B, kv, g, T]."""
+    Returns out [B, kv, g, T, d], lse and the diagonal scores s [S, B, kv, g, T]."""
     kv = diag_k[0].shape[1]
     qf = _wide(q.unflatten(1, (kv, -1)))  # [B, kv, g, T, d]: no copy of the keys per group
     s = torch.stack([(qf * _wide(k.unsqueeze(2))).sum(-1) for k in diag_k]) * scale
@@ -125,12 +124,11 @@ def _merge_forward(q, out_c, lse_c, diag_k: list[torch.Tensor], diag_v: list[tor
     out = _wide(out_c.unflatten(1, (kv, -1))) * torch.exp(lse_c - lse).unsqueeze(-1)
     for i, v in enumerate(diag_v):
         out = out + torch.exp(s[i] - lse).unsqueeze(-1) * _wide(v.unsqueeze(2))
-    return out.flatten(1, 2).transpose(1, 2).to(out_c.dtype).contiguous().transpose(1, 2), lse, s
+    return out, lse, s
 
 
-def _diag_backward(dout, q, out, lse, s, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], scale: float,
-                   dq_causal: torch.Tensor):
-    """The diagonal terms' gradients, added to the causal part's dq: (dq, [dk_i], [dv_i]) in the inputs' dtypes."""
+def _diag_backward(dout, q, out, lse, s, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], scale: float):
+    """Gradients of the diagonal terms: (dq from them, [dk_i], [dv_i]), fp32."""
     kv = diag_k[0].shape[1]
     doutf = _wide(dout.unflatten(1, (kv, -1)))
     qf = _wide(q.unflatten(1, (kv, -1)))
@@ -144,8 +142,7 @@ def _diag_backward(dout, q, out, lse, s, diag_k: list[torch.Tensor], diag_v: lis
         ds = p * ((doutf * _wide(v.unsqueeze(2))).sum(-1) - rowdot) * scale
         dq = dq + ds.unsqueeze(-1) * _wide(k.unsqueeze(2))
         dks.append((ds.unsqueeze(-1) * qf).sum(2))
-    dq = (dq.flatten(1, 2) + _wide(dq_causal)).to(q.dtype)
-    return dq, [g.to(k.dtype) for g, k in zip(dks, diag_k)], [g.to(v.dtype) for g, v in zip(dvs, diag_v)]
+    return dq.flatten(1, 2), dks, dvs
 
 
 merge_forward = compiled_or_eager(_merge_forward)
@@ -164,8 +161,10 @@ class MergedTTTAttention(torch.autograd.Function):
         half = len(diag) // 2
         diag_k, diag_v = list(diag[:half]), list(diag[half:])
         if diag_k:
-            out, lse_all, s = merge_forward(q, out_c, lse_c, diag_k, diag_v, scale)
-            lse = torch.empty_like(lse_c)  # the kernel's backward reads the lse in its own layout
+            merged, lse_all, s = merge_forward(q, out_c, lse_c, diag_k, diag_v, scale)
+            out = torch.empty_like(out_c)  # the kernel's own layout: its backward and o_proj read it cheaply
+            out.copy_(merged.flatten(1, 2))
+            lse = torch.empty_like(lse_c)
             lse.copy_(lse_all.reshape(lse_c.shape))
         else:
             out, lse, s = out_c, lse_c, None
@@ -188,7 +187,10 @@ class MergedTTTAttention(torch.autograd.Function):
         dks: list = []
         dvs: list = []
         if half:
-            dq, dks, dvs = diag_backward(dout, q, out, lse, s, diag_k, diag_v, ctx.scale, dq)
+            dq_diag, dks, dvs = diag_backward(dout, q, out, lse, s, diag_k, diag_v, ctx.scale)
+            dq = (_wide(dq) + dq_diag).to(q.dtype)
+            dks = [g.to(k.dtype) for g, k in zip(dks, diag_k)]
+            dvs = [g.to(v.dtype) for g, v in zip(dvs, diag_v)]
         return (None, None, dq, dk0.to(k0.dtype), dv0.to(v0.dtype), *dks, *dvs)
 
 
