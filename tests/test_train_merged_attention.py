@@ -136,3 +136,16 @@ def test_a_device_without_the_fused_kernel_falls_back_to_the_exact_sdpa_path(mon
         merged_attention.kernel_works.cache_clear()
     torch.testing.assert_close(out, ttt_attention(q, keys, values, "dense"), rtol=1e-5, atol=1e-6)  # sdpa merges in fp32
     assert "cpu attention unavailable on cpu for 8-wide torch.float64 heads (No available kernel" in capsys.readouterr().err
+
+
+def test_kernels_without_native_gqa_get_repeated_keys_and_summed_gradients(monkeypatch):
+    from engine.train import merged_attention
+
+    monkeypatch.setattr(merged_attention, "native_gqa", lambda *args: False)
+    q, keys, values = _inputs(1, 2, 2, 19, 8, 3, torch.float64, seed=11)
+    weight = torch.randn(q.shape, dtype=torch.float64)
+    out, grads = _value_and_grads("flash", q, keys, values, weight)
+    ref_out, ref_grads = _value_and_grads("dense", q, keys, values, weight)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from engine.train.attention import _repeat_kv
 from engine.train.mixed import compiled_or_eager
 
 aten = torch.ops.aten
@@ -98,11 +99,6 @@ def native_gqa(kernel_name: str, device: str) -> bool:
     return dk.shape == kv.shape and dq.shape == q.shape
 
 
-def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, kv, T, d] -> [B, kv*groups, T, d], query head j reading kv head j // groups."""
-    return x if groups == 1 else x.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(1, 2)
-
-
 def _sum_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.unflatten(1, (-1, groups)).sum(2)
 
@@ -156,7 +152,7 @@ class MergedTTTAttention(torch.autograd.Function):
     def forward(ctx, kernel: CausalKernel, scale: float, q, k0, v0, *diag):
         groups = q.shape[1] // k0.shape[1]
         expand = groups > 1 and not native_gqa(kernel.name, str(q.device))
-        kc, vc = (_expand_heads(k0, groups), _expand_heads(v0, groups)) if expand else (k0, v0)
+        kc, vc = (_repeat_kv(k0, groups), _repeat_kv(v0, groups)) if expand else (k0, v0)
         out_c, lse_c, state = kernel.forward(q, kc, vc, scale)
         half = len(diag) // 2
         diag_k, diag_v = list(diag[:half]), list(diag[half:])
@@ -179,7 +175,7 @@ class MergedTTTAttention(torch.autograd.Function):
         s = rest[0] if half else None
         diag = rest[1:] if half else []
         diag_k, diag_v = list(diag[:half]), list(diag[half:])
-        kc, vc = (_expand_heads(k0, groups), _expand_heads(v0, groups)) if ctx.expand else (k0, v0)
+        kc, vc = (_repeat_kv(k0, groups), _repeat_kv(v0, groups)) if ctx.expand else (k0, v0)
         dout = dout.contiguous() if dout.stride(-1) != 1 else dout
         dq, dk0, dv0 = ctx.kernel.backward(dout, q, kc, vc, out, lse, ctx.state, ctx.scale)
         if ctx.expand:
