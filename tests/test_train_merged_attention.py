@@ -30,17 +30,21 @@ def _value_and_grads(backend, q, keys, values, weight):
     return out, grads
 
 
-@pytest.mark.parametrize("groups,steps", [(1, 1), (1, 4), (4, 1), (2, 3), (4, 7)])
-def test_flash_backend_equals_the_dense_reference_in_float64(groups, steps):
-    q, keys, values = _inputs(2, 2, groups, 37, 16, steps, torch.float64)
+def _assert_flash_equals_dense_in_float64(q, keys, values):
     weight = torch.randn(q.shape, dtype=torch.float64)
     out, grads = _value_and_grads("flash", q, keys, values, weight)
     ref_out, ref_grads = _value_and_grads("dense", q, keys, values, weight)
     assert out.shape == ref_out.shape
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    steps = len(keys)
     for name, got, want in zip(["q"] + [f"k{i}" for i in range(steps)] + [f"v{i}" for i in range(steps)],
                                grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("groups,steps", [(1, 1), (1, 4), (4, 1), (2, 3), (4, 7)])
+def test_flash_backend_equals_the_dense_reference_in_float64(groups, steps):
+    _assert_flash_equals_dense_in_float64(*_inputs(2, 2, groups, 37, 16, steps, torch.float64))
 
 
 def test_a_wrong_diagonal_is_caught():
@@ -142,10 +146,4 @@ def test_kernels_without_native_gqa_get_repeated_keys_and_summed_gradients(monke
     from engine.train import merged_attention
 
     monkeypatch.setattr(merged_attention, "native_gqa", lambda *args: False)
-    q, keys, values = _inputs(1, 2, 2, 19, 8, 3, torch.float64, seed=11)
-    weight = torch.randn(q.shape, dtype=torch.float64)
-    out, grads = _value_and_grads("flash", q, keys, values, weight)
-    ref_out, ref_grads = _value_and_grads("dense", q, keys, values, weight)
-    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+    _assert_flash_equals_dense_in_float64(*_inputs(1, 2, 2, 19, 8, 3, torch.float64, seed=11))
