@@ -132,12 +132,12 @@ def test_a_device_without_the_fused_kernel_falls_back_to_the_exact_sdpa_path(mon
 
     broken = merged_attention.CausalKernel("cpu", no_kernel, no_kernel)
     monkeypatch.setitem(merged_attention.KERNELS, "cpu", broken)
-    merged_attention.kernel_works.cache_clear()
+    merged_attention.probed_kernel.cache_clear()
     try:
         q, keys, values = _inputs(1, 2, 2, 23, 8, 3, torch.float64)
         out = ttt_attention(q, keys, values, "flash")
     finally:
-        merged_attention.kernel_works.cache_clear()
+        merged_attention.probed_kernel.cache_clear()
     torch.testing.assert_close(out, ttt_attention(q, keys, values, "dense"), rtol=1e-5, atol=1e-6)  # sdpa merges in fp32
     assert "cpu attention unavailable on cpu for 8-wide torch.float64 heads (No available kernel" in capsys.readouterr().err
 
@@ -145,5 +145,29 @@ def test_a_device_without_the_fused_kernel_falls_back_to_the_exact_sdpa_path(mon
 def test_kernels_without_native_gqa_get_repeated_keys_and_summed_gradients(monkeypatch):
     from engine.train import merged_attention
 
-    monkeypatch.setattr(merged_attention, "native_gqa", lambda *args: False)
-    _assert_flash_equals_dense_in_float64(*_inputs(1, 2, 2, 19, 8, 3, torch.float64, seed=11))
+    cpu = merged_attention.KERNELS["cpu"]
+
+    def equal_heads_only(entry):
+        def call(*args, **kwargs):
+            tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+            if len({t.shape[1] for t in tensors}) > 1:
+                raise RuntimeError("number of heads in key/value must equal the query's")
+            return entry(*args, **kwargs)
+        return call
+
+    monkeypatch.setitem(merged_attention.KERNELS, "cpu", merged_attention.CausalKernel(
+        "cpu", equal_heads_only(cpu.forward), equal_heads_only(cpu.backward)))
+    merged_attention.probed_kernel.cache_clear()
+    try:
+        q = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+        assert merged_attention.usable_kernel(q).native_gqa is False
+        _assert_flash_equals_dense_in_float64(*_inputs(1, 2, 2, 19, 8, 3, torch.float64, seed=11))
+    finally:
+        merged_attention.probed_kernel.cache_clear()
+
+
+def test_the_probe_finds_the_cpu_kernels_native_gqa_at_the_real_head_width():
+    from engine.train import merged_attention
+
+    kernel = merged_attention.usable_kernel(torch.randn(1, 4, 8, 24, dtype=torch.float32))
+    assert kernel is not None and kernel.name == "cpu" and kernel.native_gqa is True

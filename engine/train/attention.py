@@ -27,6 +27,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from engine.train.kv_heads import repeat_kv
+
 
 BACKENDS = ("flash", "sdpa", "flex", "dense")
 DEFAULT_BACKEND = "flash"
@@ -42,6 +44,7 @@ def check_backend(name: str) -> str:
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   backend: str = DEFAULT_BACKEND):
     """q [B, h, T, d]; keys/values: one [B, kv, T, d] per step so far (step 0 first)."""
+    check_backend(backend)
     if backend == "flash":
         from engine.train.merged_attention import merged_ttt_attention, usable_kernel
 
@@ -53,13 +56,7 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
         return _sdpa_merge(q, keys, values)
     if backend == "flex":
         return _flex(q, keys, values)
-    if backend == "dense":
-        return _dense(q, keys, values)
-    raise ValueError(check_backend(backend))
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+    return _dense(q, keys, values)
 
 
 def _sdpa_merge(q, keys, values):
@@ -74,9 +71,9 @@ def _sdpa_merge(q, keys, values):
     o_c = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=groups > 1)
     if len(keys) == 1:
         return o_c
-    lse_c = causal_lse(q, _repeat_kv(k0, groups), scale)  # [B, h, T] fp32
-    diag_k = torch.stack([_repeat_kv(k, groups) for k in keys[1:]], dim=0)  # [S, B, h, T, d]
-    diag_v = torch.stack([_repeat_kv(v, groups) for v in values[1:]], dim=0)
+    lse_c = causal_lse(q, repeat_kv(k0, groups), scale)  # [B, h, T] fp32
+    diag_k = torch.stack([repeat_kv(k, groups) for k in keys[1:]], dim=0)  # [S, B, h, T, d]
+    diag_v = torch.stack([repeat_kv(v, groups) for v in values[1:]], dim=0)
     s = (q.unsqueeze(0) * diag_k).sum(-1).float() * scale  # [S, B, h, T]
     all_lse = torch.logsumexp(torch.cat([lse_c.unsqueeze(0), s], dim=0), dim=0)
     w_c = torch.exp(lse_c - all_lse).unsqueeze(-1)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from engine.train.attention import _repeat_kv
+from engine.train.kv_heads import repeat_kv, sum_heads
 from engine.train.mixed import compiled_or_eager
 
 aten = torch.ops.aten
@@ -29,6 +29,7 @@ class CausalKernel:
     name: str
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple]]  # (q, k, v, scale) -> out, lse, state
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (dout, q, k, v, out, lse, state, scale)
+    native_gqa: bool = False  # takes fewer key/value heads than query heads; else they are repeated
 
 
 def _flash_forward(q, k, v, scale):
@@ -63,44 +64,38 @@ def kernel_for(device: torch.device, preferred: str = "flash") -> CausalKernel:
 
 
 def usable_kernel(q: torch.Tensor, preferred: str = "flash") -> CausalKernel | None:
-    """The fused kernel for q's device, or None where it cannot run these shapes (FlashAttention-2 needs an
-    Ampere or newer GPU and at most 256-wide heads, say): the caller then takes the exact SDPA path."""
-    kernel = kernel_for(q.device, preferred)
-    return kernel if kernel_works(kernel.name, str(q.device), q.shape[-1], q.dtype) else None
+    """The fused kernel for q's device as probed at q's head width and dtype, or None where it cannot run
+    them (FlashAttention-2 needs an Ampere or newer GPU and at most 256-wide heads, say): the caller then
+    takes the exact SDPA path."""
+    return probed_kernel(kernel_for(q.device, preferred).name, str(q.device), q.shape[-1], q.dtype)
 
 
 @functools.lru_cache(maxsize=32)
-def kernel_works(kernel_name: str, device: str, head_dim: int, dtype: torch.dtype) -> bool:
-    q = torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype)
+def probed_kernel(kernel_name: str, device: str, head_dim: int, dtype: torch.dtype) -> CausalKernel | None:
+    """One forward and backward at the real head width and dtype, with equal heads and then with grouped
+    key/value heads: None if the first fails, the kernel marked native_gqa if the second passes too."""
     kernel = KERNELS[kernel_name]
-    try:
-        out, lse, state = kernel.forward(q, q, q, head_dim ** -0.5)
-        kernel.backward(torch.ones_like(out), q, q, q, out, lse, state, head_dim ** -0.5)
-    except (RuntimeError, ValueError, NotImplementedError) as exc:
-        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        print(f"note: {kernel_name} attention unavailable on {device} for {head_dim}-wide {dtype} heads ({first}); "
+    problem = _probe(kernel, device, head_dim, dtype, kv_heads=2)
+    if problem:
+        print(f"note: {kernel_name} attention unavailable on {device} for {head_dim}-wide {dtype} heads ({problem}); "
               "training uses the exact SDPA backend", file=sys.stderr, flush=True)
-        return False
-    return True
+        return None
+    return replace(kernel, native_gqa=not _probe(kernel, device, head_dim, dtype, kv_heads=1))
 
 
-@functools.lru_cache(maxsize=8)
-def native_gqa(kernel_name: str, device: str) -> bool:
-    """Whether this kernel takes fewer key/value heads than query heads (else they are repeated)."""
-    kernel = KERNELS[kernel_name]
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    q = torch.randn(1, 4, 8, 64, device=device, dtype=dtype, requires_grad=False)
-    kv = torch.randn(1, 2, 8, 64, device=device, dtype=dtype)
+def _probe(kernel: CausalKernel, device: str, head_dim: int, dtype: torch.dtype, kv_heads: int) -> str:
+    """'' when the kernel runs forward and backward on 2 query heads over kv_heads key/value heads with
+    gradients of the right shapes, else what went wrong."""
+    q = torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype)
+    kv = torch.randn(1, kv_heads, 16, head_dim, device=device, dtype=dtype)
     try:
-        out, lse, state = kernel.forward(q, kv, kv, 0.125)
-        dq, dk, dv = kernel.backward(torch.ones_like(out), q, kv, kv, out, lse, state, 0.125)
-    except (RuntimeError, ValueError, NotImplementedError):
-        return False
-    return dk.shape == kv.shape and dq.shape == q.shape
-
-
-def _sum_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.unflatten(1, (-1, groups)).sum(2)
+        out, lse, state = kernel.forward(q, kv, kv, head_dim ** -0.5)
+        dq, dk, dv = kernel.backward(torch.ones_like(out), q, kv, kv, out, lse, state, head_dim ** -0.5)
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    if dq.shape != q.shape or dk.shape != kv.shape or dv.shape != kv.shape:
+        return f"gradient shapes {tuple(dq.shape)}, {tuple(dk.shape)} for {tuple(q.shape)}, {tuple(kv.shape)}"
+    return ""
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -151,8 +146,8 @@ class MergedTTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel: CausalKernel, scale: float, q, k0, v0, *diag):
         groups = q.shape[1] // k0.shape[1]
-        expand = groups > 1 and not native_gqa(kernel.name, str(q.device))
-        kc, vc = (_repeat_kv(k0, groups), _repeat_kv(v0, groups)) if expand else (k0, v0)
+        expand = groups > 1 and not kernel.native_gqa
+        kc, vc = (repeat_kv(k0, groups), repeat_kv(v0, groups)) if expand else (k0, v0)
         out_c, lse_c, state = kernel.forward(q, kc, vc, scale)
         half = len(diag) // 2
         diag_k, diag_v = list(diag[:half]), list(diag[half:])
@@ -175,11 +170,11 @@ class MergedTTTAttention(torch.autograd.Function):
         s = rest[0] if half else None
         diag = rest[1:] if half else []
         diag_k, diag_v = list(diag[:half]), list(diag[half:])
-        kc, vc = (_repeat_kv(k0, groups), _repeat_kv(v0, groups)) if ctx.expand else (k0, v0)
+        kc, vc = (repeat_kv(k0, groups), repeat_kv(v0, groups)) if ctx.expand else (k0, v0)
         dout = dout.contiguous() if dout.stride(-1) != 1 else dout
         dq, dk0, dv0 = ctx.kernel.backward(dout, q, kc, vc, out, lse, ctx.state, ctx.scale)
         if ctx.expand:
-            dk0, dv0 = _sum_heads(dk0, groups), _sum_heads(dv0, groups)
+            dk0, dv0 = sum_heads(dk0, groups), sum_heads(dv0, groups)
         dks: list = []
         dvs: list = []
         if half:
@@ -193,5 +188,7 @@ class MergedTTTAttention(torch.autograd.Function):
 def merged_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                          kernel: CausalKernel | None = None) -> torch.Tensor:
     """q [B, h, T, d]; keys/values: one [B, kv, T, d] per TTT step so far (step 0 first)."""
-    kernel = kernel or kernel_for(q.device)
+    kernel = kernel or usable_kernel(q)
+    if kernel is None:
+        raise RuntimeError(f"no fused causal attention kernel runs on {q.device} for these heads")
     return MergedTTTAttention.apply(kernel, q.shape[-1] ** -0.5, q, keys[0], values[0], *keys[1:], *values[1:])
