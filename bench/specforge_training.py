@@ -144,7 +144,7 @@ def time_steps(one_step: Callable[[], torch.Tensor], device: torch.device, iters
 
 
 def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.device, iters: int, profile: bool) -> dict:
-    from bench.training import model_flops, profile_step
+    from bench.training import model_flops, profile_step_timeline
 
     gpu = device.type == "cuda"
     torch.manual_seed(0)
@@ -160,7 +160,9 @@ def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.devic
               "tflops": model_flops(cfg, t, ttt) / seconds / 1e12, "first_loss": first,
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:
-        result["kernels"] = profile_step(one_step, device)
+        result["kernels"], timeline = profile_step_timeline(one_step, device)
+        if timeline is not None:
+            result["timeline"] = timeline
     close()
     del one_step, close
     gc.collect()
@@ -188,11 +190,28 @@ def run_ours(cfg, t: int, ttt: int, attention: str, device: torch.device, iters:
     return r
 
 
+OUR_VARIANTS = ("prefetched", "prefetched-ahead", "pageable", "plain-autocast")
+OUR_BACKENDS = ("flex", "sdpa", "flash")
+
+
+def side_name(text: str) -> str:
+    """argparse type of --sides: 'specforge' or ours[/VARIANT][@BACKEND]."""
+    name, _, backend = text.partition("@")
+    base, _, variant = name.partition("/")
+    ours = base == "ours" and variant in ("", *OUR_VARIANTS) and backend in ("", *OUR_BACKENDS)
+    if text == "specforge" or (ours and not text.endswith(("/", "@"))):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown side {text!r}: use specforge or ours[/VARIANT][@BACKEND] with VARIANT one "
+                                     f"of {', '.join(OUR_VARIANTS)} and BACKEND one of {', '.join(OUR_BACKENDS)}")
+
+
 def describe(r: dict, peak_tflops: float | None) -> str:
     line = f"T={r['tokens']:6d} {r['side']:22s} {r['tokens_per_s']:9.0f} tok/s ({r['step_s'] * 1e3:7.1f} ms/step)"
     line += f"  peak {r['peak_gib']:5.1f} GiB" if r["peak_gib"] is not None else "  peak n/a (CPU)"
     if peak_tflops:
         line += f"  {r['tflops']:6.1f} TFLOP/s ({100 * r['tflops'] / peak_tflops:4.1f}% of matmul)"
+    if "cpu_s" in r:
+        line += f"  host CPU {r['cpu_s'] * 1e3:.1f} ms/step"
     return line + f"  loss0 {r['first_loss']:.5f}"
 
 
@@ -207,8 +226,7 @@ def main() -> int:
     parser.add_argument("--loss", default="fused-compiled", choices=["fused", "fused-compiled", "checkpoint"],
                         help="this project's loss head (fused-compiled: the trainer's default on CUDA)")
     parser.add_argument("--sides", nargs="+", default=["ours", "specforge"],
-                        choices=["ours", "ours/prefetched-ahead", "ours/pageable", "ours/plain-autocast", "specforge",
-                                 "ours@flash", "ours@sdpa"],
+                        type=side_name, metavar="ours[/VARIANT][@BACKEND]|specforge",
                         help="ours/pageable: this project's step copying a pageable batch inside the step (before "
                              "session 10); ours/prefetched-ahead: BatchPrefetcher(ahead=1); ours/plain-autocast: "
                              "EAGLE3_TRAIN_PLAIN_AUTOCAST=1, the mixed precision before engine.train.mixed; "
@@ -220,7 +238,7 @@ def main() -> int:
     args = parser.parse_args()
 
     import bench.training
-    from bench.training import SHAPES, SMOKE_SHAPES, matmul_tflops, print_kernels
+    from bench.training import SHAPES, SMOKE_SHAPES, matmul_tflops, print_kernels, print_timeline
     from engine.train.model import DraftConfig
 
     bench.training.TOP_KERNELS = args.top
@@ -249,8 +267,7 @@ def main() -> int:
             try:
                 if side.startswith("ours"):
                     name, _, our_attention = side.partition("@")
-                    profiled = args.profile and name in ("ours", "ours/plain-autocast")
-                    r = run_ours(cfg, t, args.ttt, our_attention or attention, device, iters, profiled, args.loss,
+                    r = run_ours(cfg, t, args.ttt, our_attention or attention, device, iters, args.profile, args.loss,
                                  name.partition("/")[2] or "prefetched")
                     r["side"] = side
                 else:
@@ -267,12 +284,14 @@ def main() -> int:
             print(describe(r, peak), flush=True)
             if "kernels" in r:
                 print_kernels(r["kernels"], device.type == "cuda")
+            if "timeline" in r:
+                print_timeline(r["timeline"])
         theirs = pair.get("specforge")
         for side, ours in pair.items() if theirs else ():
-            if side == "specforge" or "/" in side:
+            if side == "specforge":
                 continue
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-            line = f"T={t:6d} ratio {side:16s} {ratio:5.2f}x SpecForge's tok/s (goal {GOAL:.2f}x)"
+            line = f"T={t:6d} ratio {side:28s} {ratio:5.2f}x SpecForge's tok/s (goal {GOAL:.2f}x)"
             if ours["peak_gib"] is not None:
                 line += f"  peak {ours['peak_gib'] - theirs['peak_gib']:+5.2f} GiB vs SpecForge"
             print(line, flush=True)

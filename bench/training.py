@@ -192,13 +192,69 @@ def top_kernels(prof, device: torch.device, n: int | None = None) -> list[dict]:
 
 
 def profile_step(one_step, device: torch.device) -> list[dict]:
+    return profile_step_timeline(one_step, device)[0]
+
+
+def profile_step_timeline(one_step, device: torch.device) -> tuple[list[dict], dict | None]:
+    """The top kernels of one step and, on CUDA, where its GPU time goes (kernel_timeline)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         one_step()
         _sync(device)
-    return top_kernels(prof, device)
+    timeline = kernel_timeline([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                if e.device_type != DeviceType.CPU and not e.is_user_annotation]) if device.type == "cuda" else None
+    return top_kernels(prof, device), timeline
+
+
+KERNEL_FAMILIES = (  # first match wins
+    ("gemm", ("nvjet", "gemm", "cutlass::Kernel", "sm90_xmma", "cublas")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("optimizer", ("multi_tensor_apply", "Optimizer")),
+    ("compiled (triton)", ("triton_",)),
+    ("host-device copy", ("Memcpy HtoD", "Memcpy DtoH")),
+    ("copy/cast", ("copy_kernel", "Memcpy", "Memset")),
+    ("reduction", ("reduce_kernel", "Reduce")),
+    ("elementwise", ("elementwise", "Functor")),
+)
+GAP_US = 5.0  # shorter gaps between kernels are launch latency, not idle
+
+
+def kernel_family(name: str) -> str:
+    return next((family for family, keys in KERNEL_FAMILIES if any(k in name for k in keys)), "other")
+
+
+def kernel_timeline(kernels: list[tuple[str, float, float]], sites: int = 8) -> dict:
+    """GPU time of one step by kernel family, the time no kernel ran on any stream (idle) between the
+    first kernel's start and the last one's end, and the kernels that idle time waited before."""
+    kernels = sorted((k for k in kernels if k[2] > k[1]), key=lambda k: k[1])
+    families: dict[str, float] = {}
+    for name, start, end in kernels:
+        families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + (end - start) / 1e3
+    idle = 0.0
+    before: dict[str, list[float]] = {}
+    reach = kernels[0][2] if kernels else 0.0
+    for name, start, end in kernels[1:]:
+        if start - reach > GAP_US:
+            idle += start - reach
+            site = before.setdefault(name[:90], [0.0, 0])
+            site[0] += (start - reach) / 1e3
+            site[1] += 1
+        reach = max(reach, end)
+    span = (reach - kernels[0][1]) / 1e3 if kernels else 0.0
+    top = sorted(before.items(), key=lambda kv: -kv[1][0])[:sites]
+    return {"span_ms": span, "idle_ms": idle / 1e3, "families_ms": dict(sorted(families.items(), key=lambda kv: -kv[1])),
+            "idle_before": [{"kernel": k, "ms": v[0], "gaps": v[1]} for k, v in top]}
+
+
+def print_timeline(timeline: dict) -> None:
+    busy = ", ".join(f"{name} {ms:.2f}" for name, ms in timeline["families_ms"].items())
+    print(f"    GPU span {timeline['span_ms']:.2f} ms, idle {timeline['idle_ms']:.2f} ms (no kernel on any stream); "
+          f"kernel ms by family: {busy}")
+    for site in timeline["idle_before"]:
+        print(f"      idle {site['ms']:7.2f} ms in {site['gaps']:4d} gaps before  {site['kernel']}")
 
 
 def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, variant: Variant,
@@ -210,16 +266,19 @@ def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, v
     first_loss = float(one_step())  # compile + allocator warm-up; same seed, so variants compare
     one_step()
     _sync(device)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(iters):
         one_step()
     _sync(device)
     seconds = (time.perf_counter() - start) / iters
-    result = {"tokens": t, "records": records, "variant": asdict(variant), "step_s": seconds,
+    cpu_seconds = (time.process_time() - cpu_start) / iters  # all threads: the step's, autograd's, the loader's
+    result = {"tokens": t, "records": records, "variant": asdict(variant), "step_s": seconds, "cpu_s": cpu_seconds,
               "tokens_per_s": records * t / seconds, "tflops": records * model_flops(cfg, t, steps) / seconds / 1e12, "first_loss": first_loss,
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:
-        result["kernels"] = profile_step(one_step, device)
+        result["kernels"], timeline = profile_step_timeline(one_step, device)
+        if timeline is not None:
+            result["timeline"] = timeline
     close()
     del one_step, close
     gc.collect()
@@ -240,6 +299,8 @@ def format_row(r: dict, peak_tflops: float | None, tag: str) -> str:
         line += "  peak n/a (CPU)"
     if peak_tflops:
         line += f"  {r['tflops']:6.1f} TFLOP/s ({100 * r['tflops'] / peak_tflops:4.1f}% of matmul)"
+    if "cpu_s" in r:
+        line += f"  host CPU {r['cpu_s'] * 1e3:.1f} ms/step"
     return line + f"  loss0 {r['first_loss']:.5f}"
 
 
@@ -308,6 +369,8 @@ def main() -> int:
         print(format_row(r, peak, tag), flush=True)
         if "kernels" in r:
             print_kernels(r["kernels"], device.type == "cuda")
+            if "timeline" in r:
+                print_timeline(r["timeline"])
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_tflops": peak, "rows": rows}, indent=1))
     return 0
