@@ -35,3 +35,17 @@ def test_bf16_teacher_equals_the_fp32_logits_formula(chunk_rows):
     to_draft[hot] = torch.arange(hot.shape[0])
     assert torch.equal(out.target.reshape(-1), to_draft[greedy])
     assert out.target[0, 0] == 0 and (out.target == -1).any()
+
+
+def test_keep_scores_the_next_loss_masked_token_inside_the_record_and_comes_to_the_host_too():
+    b, t, hidden_size = 2, 6, 8
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    batch = Batch(input_ids=torch.zeros(b, t, dtype=torch.int64), loss_mask=loss_mask,
+                  aux=torch.zeros(b, t, 3 * hidden_size), hidden=torch.randn(b, t, hidden_size),
+                  lengths=torch.tensor([t, 4]))
+    out = Teacher(torch.randn(20, hidden_size), torch.arange(10))(batch)
+    # position s scores token s+1: masked in, and s+1 inside the record (the second one is 4 tokens long)
+    want = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(out.keep, want)
+    assert out.keep_host is not None and out.keep_host.device.type == "cpu" and torch.equal(out.keep_host, want)
+

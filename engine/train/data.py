@@ -284,6 +284,16 @@ class TeacherOut:
     probs: torch.Tensor  # [B, T, Vd] teacher distribution over the draft vocabulary, per teacher position s
     target: torch.Tensor  # int64 [B, T]: draft id of the target's greedy token, -1 if outside the vocab
     keep: torch.Tensor  # bool [B, T]: predicted token s+1 exists and is loss-masked
+    keep_host: torch.Tensor | None = None  # `keep` on the host: which rows the loss scores, known without a device read
+
+
+def keep_mask(batch: Batch) -> torch.Tensor:
+    """bool [B, T]: teacher position s scores the draft's guess of token s+1 (inside the record, loss-masked)."""
+    t = batch.loss_mask.shape[1]
+    positions = torch.arange(t, device=batch.loss_mask.device)[None, :]
+    next_mask = torch.zeros_like(batch.loss_mask)
+    next_mask[:, :-1] = batch.loss_mask[:, 1:]
+    return next_mask & (positions + 1 < batch.lengths[:, None])
 
 
 class Teacher:
@@ -301,6 +311,10 @@ class Teacher:
     @torch.no_grad()
     def __call__(self, batch: Batch, probs_dtype=torch.float32) -> TeacherOut:
         b, t, h = batch.hidden.shape
+        keep = keep_mask(batch)
+        # The step's one read of the device, made before the head's kernels are queued: it waits for the
+        # batch's copy only, and the loss then picks its rows with no further wait (engine.train.loss).
+        keep_host = keep.cpu()
         flat = batch.hidden.reshape(b * t, h).to(self.weight.dtype)
         probs = torch.empty(b * t, self.hot_ids.shape[0], dtype=probs_dtype, device=flat.device)
         greedy = torch.empty(b * t, dtype=torch.int64, device=flat.device)
@@ -311,8 +325,4 @@ class Teacher:
             greedy[start:start + self.chunk_rows] = logits.argmax(-1)
             hot = logits[:, self.hot_ids].float()
             probs[start:start + self.chunk_rows] = torch.softmax(hot, -1).to(probs_dtype)
-        positions = torch.arange(t, device=flat.device)[None, :]
-        next_mask = torch.zeros_like(batch.loss_mask)
-        next_mask[:, :-1] = batch.loss_mask[:, 1:]
-        keep = next_mask & (positions + 1 < batch.lengths[:, None])
-        return TeacherOut(probs.view(b, t, -1), self.to_draft[greedy].view(b, t), keep)
+        return TeacherOut(probs.view(b, t, -1), self.to_draft[greedy].view(b, t), keep, keep_host)

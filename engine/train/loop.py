@@ -574,7 +574,8 @@ class Trainer:
                    eval=len(self.data.eval_entries), device=str(self.device), world=self.world, backend=self.backend,
                    **{**self._data_position(), **(self.data.plan_fields() if self.online else {})})
         limit = self.total_steps if self.max_steps is None else min(self.total_steps, self.step + self.max_steps)
-        window, tokens, grad_norm, last_summary = None, 0, 0.0, None
+        window, grad_norm, last_summary = None, 0.0, None
+        tokens = torch.zeros((), dtype=torch.int64, device=self.device)  # summed on the device: read at log lines
         self.nonfinite_streak, first_nonfinite = 0, 0  # 0: no non-finite step yet
         t0 = time.perf_counter()
         saved_at = self.step
@@ -600,14 +601,14 @@ class Trainer:
                     self.nonfinite_streak += 1
                     first_nonfinite = first_nonfinite or self.step
                 window = stats if window is None else window + stats
-                tokens += batch.tokens
+                tokens += batch.lengths.sum()
                 if self.step % self.cfg.log_every == 0 or self.step == limit:
                     window = self._all_reduce(window)
                     self._sum_window_figures()
                     elapsed = time.perf_counter() - t0
                     summary = summarize(window)
                     last_summary = summary
-                    rate = tokens * self.world / max(elapsed, 1e-9)
+                    rate = int(tokens) * self.world / max(elapsed, 1e-9)
                     self.metric({"type": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
                                  "t": time.time(), "lr": self.sched.get_last_lr()[0], "grad_norm": grad_norm,
                                  "tokens_per_s": rate, **summary})
@@ -615,7 +616,8 @@ class Trainer:
                         self.ctx.progress(self.step, self.total_steps, loss=round(summary["loss"], 4),
                                           sim_al=round(summary["sim_al"], 3), tokens_per_s=round(rate, 1),
                                           **self._data_progress())
-                    window, tokens, t0 = None, 0, time.perf_counter()
+                    window, t0 = None, time.perf_counter()
+                    tokens.zero_()
                 if self.nonfinite_streak >= NONFINITE_LIMIT:
                     raise self._nonfinite_failure(first_nonfinite, self.nonfinite_streak, grad_norm)
                 if self.step % self.cfg.save_every == 0:

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.train.attention import DEFAULT_BACKEND
 from engine.train.data import Batch, TeacherOut
-from engine.train.mixed import accumulate_fp32, compiled_or_eager, step_weights
+from engine.train.mixed import accumulate_fp32, autocast_dtype, compiled_or_eager, no_autocast, step_weights
 from engine.train.model import Eagle3Drafter, shift_left
 
 STAT_FIELDS = ("loss_sum", "positions", "correct", "scored", "accept_sum", "entropy_sum")
@@ -45,9 +45,7 @@ def fused_chunk_rows(vocab: int) -> int:
 
 def head_compute_dtype(device: torch.device, h_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
     """The dtype autocast would run the head matmul in (bf16 under GPU autocast, else the inputs' dtype)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return torch.promote_types(h_dtype, w_dtype)
+    return autocast_dtype(device.type) or torch.promote_types(h_dtype, w_dtype)
 
 
 def _chunk_stats(h, norm_w, eps, head_w, probs, target, pos_mask, acc_mask):
@@ -82,6 +80,7 @@ class StepRows(NamedTuple):
     acc_mask: torch.Tensor  # [rows] rows scored for accuracy (a superset of pos_mask)
     q_sum: torch.Tensor  # [rows] sum of the teacher row (not exactly 1 in bf16)
     entropy: torch.Tensor  # [rows] teacher entropy
+    kept: torch.Tensor  # int64 [n]: the rows of acc_mask, in order (kept_rows: found without a device read)
 
 
 TENSOR_FIELDS = StepRows._fields[1:]
@@ -193,7 +192,7 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
         h = step.h
         positions = step.pos_mask.sum().to(acc)
         step_weight = (STEP_DECAY ** step.k) / positions.clamp(min=1)  # d total / d loss_sum of this step
-        keep = step.acc_mask.nonzero().squeeze(1)  # rows outside the accuracy mask add nothing anywhere
+        keep = step.kept  # rows outside the accuracy mask add nothing anywhere
         dense = keep.numel() == h.shape[0]
         g_h = (torch.empty_like(h) if dense else torch.zeros_like(h)) if want_grads else None
         sums = torch.zeros(4, dtype=acc, device=h.device)  # loss, correct, accept, entropy
@@ -231,6 +230,20 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
     return total, torch.stack(stats), (g_norm, g_head, g_hs)
 
 
+def kept_rows(teacher: TeacherOut, steps: int, device: torch.device) -> list[torch.Tensor]:
+    """For each TTT step k with rows to score, the indices of its rows in the accuracy mask (keep[:, k+1:]
+    flattened), on `device`. Picked on the host from teacher.keep_host (or one read of teacher.keep): a
+    device-side nonzero per step would make the host wait for the GPU to drain 7 times a training step."""
+    keep = teacher.keep_host if teacher.keep_host is not None else teacher.keep.cpu()
+    host = [keep[:, k + 1:].reshape(-1).nonzero().squeeze(1) for k in range(min(steps, keep.shape[1] - 1))]
+    flat = torch.cat(host) if host else torch.empty(0, dtype=torch.int64)
+    if device.type == "cuda":  # one copy for all steps, queued behind the work in flight
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return list(flat.split([h.numel() for h in host]))
+
+
 def _unflatten(ks: tuple[int, ...], tensors) -> list[StepRows]:
     n = len(ks)
     fields = [tensors[i * n:(i + 1) * n] for i in range(len(TENSOR_FIELDS))]
@@ -244,7 +257,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, norm_w, head_w, eps, cdtype, chunk_rows, compiled, ks, *tensors):
         steps = _unflatten(ks, tensors)
-        with torch.autocast(head_w.device.type, enabled=False):  # dtypes are chosen explicitly
+        with no_autocast(head_w.device.type):  # dtypes are chosen explicitly
             total, stats, grads = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, True, compiled)
         ctx.grads = grads
         ctx.n_inputs = 7 + len(tensors)
@@ -272,7 +285,7 @@ def fused_head_loss(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_ro
         ks = tuple(s.k for s in steps)
         tensors = [getattr(s, f) for f in TENSOR_FIELDS for s in steps]
         return _FusedHeadLoss.apply(norm_w, head_w, eps, cdtype, chunk_rows, compiled, ks, *tensors)
-    with torch.no_grad(), torch.autocast(head_w.device.type, enabled=False):
+    with torch.no_grad(), no_autocast(head_w.device.type):
         total, stats, _ = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, False, compiled)
     return total, stats
 
@@ -307,6 +320,7 @@ class TTTModel(nn.Module):
             cdtype = head_compute_dtype(hidden.device, hidden.dtype, d.lm_head.weight.dtype)
             q_sum, entropy = teacher_row_stats(teacher.probs.reshape(b * t, -1), _acc_dtype(cdtype), self.chunk_rows)
             q_sum, entropy = q_sum.view(b, t), entropy.view(b, t)
+            kept = kept_rows(teacher, self.ttt_steps, hidden.device)  # before the steps are queued: a short wait
         cache: list = []
         scored = []  # (step, rows, probs, target, pos_mask, acc_mask) of the steps with positions to score
         for k in range(self.ttt_steps):
@@ -323,14 +337,14 @@ class TTTModel(nn.Module):
             return hidden.new_zeros((), dtype=torch.float32), stats
         if self.fused_loss:
             steps = [StepRows(k, rows, probs, target, pos_mask, acc_mask, q_sum[:, k + 1:].reshape(-1),
-                              entropy[:, k + 1:].reshape(-1))
+                              entropy[:, k + 1:].reshape(-1), kept[k])
                      for k, rows, probs, target, pos_mask, acc_mask in scored]
             total, got = fused_head_loss(steps, d.norm.weight, d.norm.eps, d.lm_head.weight, cdtype, self.chunk_rows,
                                          self.compile_head)
         else:
             total, got = self._checkpointed(scored)
         stats = stats.to(got.dtype)
-        stats[[s[0] for s in scored]] = got
+        stats[:len(scored)] = got  # the scored steps are 0..len-1 (a slice: a list index is a blocking copy on CUDA)
         return total, stats
 
     def _checkpointed(self, scored):

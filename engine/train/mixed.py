@@ -42,6 +42,21 @@ def plain_autocast() -> bool:
     return os.environ.get("EAGLE3_TRAIN_PLAIN_AUTOCAST", "").strip() == "1"
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on this device type, None where it is off (or the device has none:
+    the meta device, on which tests run the step to prove it never reads device data)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off on this device type (nothing to turn off where it has none)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def compiled_or_eager(fn: Callable) -> Callable:
     """fn compiled (dynamic shapes, at the first CUDA call) for CUDA tensors; fn itself on the CPU or once
     compiling has failed (a machine without Triton or a C compiler must still train, at eager speed).
@@ -178,10 +193,10 @@ def step_weights(model: nn.Module) -> Iterator[None]:
     the autocast dtype once, at first use. Nothing changes without autocast or without grad (evaluation)."""
     params = next(model.parameters(), None)
     device = params.device.type if params is not None else "cpu"
-    if plain_autocast() or not (torch.is_grad_enabled() and torch.is_autocast_enabled(device)):
+    dtype = autocast_dtype(device)
+    if plain_autocast() or not torch.is_grad_enabled() or dtype is None:
         yield
         return
-    dtype = torch.get_autocast_dtype(device)
     linears = [m for m in model.modules() if isinstance(m, CastLinear) and m.weight.requires_grad
                and m.weight.dtype != dtype and m.weight.dtype.is_floating_point]
     for m in linears:
@@ -238,8 +253,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if plain_autocast():
         x32 = x.float()
         return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    if torch.is_autocast_enabled(x.device.type):
-        out_dtype = torch.get_autocast_dtype(x.device.type)
-    else:
-        out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = autocast_dtype(x.device.type) or torch.promote_types(x.dtype, weight.dtype)
     return _RMSNorm.apply(x, weight, eps, out_dtype)
