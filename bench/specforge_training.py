@@ -191,7 +191,7 @@ def run_ours(cfg, t: int, ttt: int, attention: str, device: torch.device, iters:
 
 
 OUR_VARIANTS = ("prefetched", "prefetched-ahead", "pageable", "plain-autocast")
-OUR_BACKENDS = ("flex", "sdpa", "flash")
+OUR_BACKENDS = ("flex", "sdpa", "flash", "cudnn")
 
 
 def side_name(text: str) -> str:

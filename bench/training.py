@@ -315,7 +315,7 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="default 2048 4096 16384")
     parser.add_argument("--steps", type=int, default=7, help="TTT steps")
     parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--backend", default="flex", choices=["flex", "sdpa", "flash"])
+    parser.add_argument("--backend", default="flex", choices=["flex", "sdpa", "flash", "cudnn"])
     parser.add_argument("--loss", nargs="+", default=["fused"], choices=["fused", "fused-compiled", "checkpoint"],
                         help="one run per value, side by side")
     parser.add_argument("--batches", nargs="+", default=["prefetched"], choices=["prefetched", "prefetched-ahead", "pageable"],
@@ -339,7 +339,7 @@ def main() -> int:
         variants.insert(0, ("old", LEGACY))
     if args.cpu_smoke:
         device, cfg = torch.device("cpu"), DraftConfig(**SMOKE_SHAPES)
-        backend = args.backend if args.backend in ("sdpa", "flash") else "sdpa"  # flex is compiled for CUDA
+        backend = args.backend if args.backend in ("sdpa", "flash", "cudnn") else "sdpa"  # flex is compiled for CUDA
         lengths, iters, peak = args.lengths or [64, 128], min(args.iters, 2), None
         print(f"CPU smoke  torch {torch.__version__}  tiny drafter (hidden {cfg.hidden_size}, draft vocab "
               f"{cfg.draft_vocab_size}): figures check that the script runs, nothing more; on the CPU "

@@ -65,11 +65,16 @@ def test_flash_backend_in_float32_matches_the_memory_linear_sdpa_backend():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("groups,steps,t", [(4, 1, 256), (4, 7, 1000), (1, 3, 512)])
-def test_cuda_kernel_in_bf16_matches_the_float64_reference(groups, steps, t):
+def test_cuda_kernel_in_bf16_matches_the_float64_reference(groups, steps, t, backend, capsys):
+    from engine.train.merged_attention import usable_kernel
+
     q, keys, values = _inputs(1, 8 // groups, groups, t, 128, steps, torch.bfloat16, device="cuda", seed=5)
+    if usable_kernel(q, backend) is None:  # this build lacks it: the run falls back, and says why
+        pytest.skip(f"{backend} kernel unusable here: {capsys.readouterr().err.strip()}")
     weight = torch.randn(q.shape, dtype=torch.float64, device="cuda")
-    out, grads = _value_and_grads("flash", q, keys, values, weight)
+    out, grads = _value_and_grads(backend, q, keys, values, weight)
     as64 = [x.detach().double().requires_grad_() for x in (q, *keys, *values)]
     ref_out, ref_grads = _value_and_grads("dense", as64[0], as64[1:1 + steps], as64[1 + steps:], weight)
     # bf16 inputs, fp32 accumulation: compare as relative errors against the float64 truth
@@ -164,6 +169,57 @@ def test_kernels_without_native_gqa_get_repeated_keys_and_summed_gradients(monke
         _assert_flash_equals_dense_in_float64(*_inputs(1, 2, 2, 19, 8, 3, torch.float64, seed=11))
     finally:
         merged_attention.probed_kernel.cache_clear()
+
+
+def _cpu_kernel_variant(monkeypatch, forward=None, backward=None):
+    from engine.train import merged_attention
+
+    cpu = merged_attention.KERNELS["cpu"]
+    monkeypatch.setitem(merged_attention.KERNELS, "cpu", merged_attention.CausalKernel(
+        "cpu", forward or cpu.forward, backward or cpu.backward))
+    merged_attention.probed_kernel.cache_clear()
+    return cpu
+
+
+def test_a_kernel_that_reads_grouped_heads_wrongly_gets_repeated_heads(monkeypatch):
+    """No error, right shapes, wrong values: the probe compares values, so grouped heads are repeated."""
+    from engine.train import merged_attention
+
+    def tiled(x, groups):  # [k0, k1, k0, k1] where the query groups need [k0, k0, k1, k1]
+        return x.repeat(1, groups, 1, 1)
+
+    def forward(q, k, v, scale):
+        g = q.shape[1] // k.shape[1]
+        return cpu.forward(q, tiled(k, g), tiled(v, g), scale)
+
+    def backward(dout, q, k, v, out, lse, state, scale):
+        g = q.shape[1] // k.shape[1]
+        dq, dk, dv = cpu.backward(dout, q, tiled(k, g), tiled(v, g), out, lse, state, scale)
+        return dq, dk.unflatten(1, (g, -1)).sum(1), dv.unflatten(1, (g, -1)).sum(1)
+
+    cpu = _cpu_kernel_variant(monkeypatch, forward, backward)
+    try:
+        assert merged_attention.usable_kernel(torch.randn(1, 4, 8, 8, dtype=torch.float64)).native_gqa is False
+        _assert_flash_equals_dense_in_float64(*_inputs(1, 2, 2, 19, 8, 3, torch.float64, seed=4))
+    finally:
+        merged_attention.probed_kernel.cache_clear()
+
+
+def test_a_kernel_whose_log_sum_exp_is_in_another_base_is_not_used(monkeypatch, capsys):
+    from engine.train import merged_attention
+
+    def forward(q, k, v, scale):
+        out, lse, state = cpu.forward(q, k, v, scale)
+        return out, lse / torch.log(torch.tensor(2.0, dtype=lse.dtype)), state
+
+    cpu = _cpu_kernel_variant(monkeypatch, forward)
+    try:
+        q, keys, values = _inputs(1, 2, 2, 23, 8, 3, torch.float64)
+        out = ttt_attention(q, keys, values, "flash")
+    finally:
+        merged_attention.probed_kernel.cache_clear()
+    torch.testing.assert_close(out, ttt_attention(q, keys, values, "dense"), rtol=1e-5, atol=1e-6)  # the sdpa path
+    assert "cpu attention unavailable on cpu for 8-wide torch.float64 heads (its log-sum-exp disagrees" in capsys.readouterr().err
 
 
 def test_the_probe_finds_the_cpu_kernels_native_gqa_at_the_real_head_width():

@@ -24,7 +24,13 @@ def _record(b: int, t: int, seed: int = 3):
 
 
 @pytest.mark.parametrize("backend", ["flash", "sdpa"])
-def test_a_training_step_reads_no_device_data(backend):
+def test_a_training_step_reads_no_device_data(backend, monkeypatch):
+    from engine.train import merged_attention
+
+    # The fused kernel's probe reads its results once per process (cached), not in the step: here it
+    # probes on the CPU what the meta step will use.
+    probed = merged_attention.probed_kernel
+    monkeypatch.setattr(merged_attention, "probed_kernel", lambda name, device, *rest: probed(name, "cpu", *rest))
     model = tiny_training_drafter().to("meta")
     batch, teacher = _record(2, 20)
     meta = lambda t: t.to("meta")  # noqa: E731

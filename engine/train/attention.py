@@ -11,6 +11,8 @@ Backends:
   flash A fused causal kernel (FlashAttention-2 on CUDA, PyTorch's flash kernel on the CPU) over the
         step-0 keys, merged in log-space with the diagonal scores; its backward gets the merged
         output and log-sum-exp (engine.train.merged_attention). No compilation per length.
+  cudnn The same with cuDNN's fused attention as the causal kernel on CUDA (PyTorch's flash kernel
+        on the CPU).
   flex  FlexAttention over the concatenated keys with a block mask (GPU; compiled; memory
         linear in T, the diagonal blocks cost k*T*block extra work, not k*T^2).
   sdpa  exact and differentiable everywhere (CPU included): SDPA with causal flash/efficient
@@ -30,14 +32,15 @@ import torch.nn.functional as F
 from engine.train.kv_heads import repeat_kv
 
 
-BACKENDS = ("flash", "sdpa", "flex", "dense")
+BACKENDS = ("flash", "cudnn", "sdpa", "flex", "dense")
+FUSED_KERNEL_BACKENDS = ("flash", "cudnn")  # engine.train.merged_attention, each with its causal kernel on CUDA
 DEFAULT_BACKEND = "flash"
 
 
 def check_backend(name: str) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown TTT attention backend {name!r} (EAGLE3_TRAIN_ATTENTION): use one of "
-                         f"{', '.join(BACKENDS[:3])}; {DEFAULT_BACKEND} is the default")
+                         f"{', '.join(BACKENDS[:4])}; {DEFAULT_BACKEND} is the default")
     return name
 
 
@@ -45,7 +48,7 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
                   backend: str = DEFAULT_BACKEND):
     """q [B, h, T, d]; keys/values: one [B, kv, T, d] per step so far (step 0 first)."""
     check_backend(backend)
-    if backend == "flash":
+    if backend in FUSED_KERNEL_BACKENDS:
         from engine.train.merged_attention import merged_ttt_attention, usable_kernel
 
         kernel = usable_kernel(q, backend)

@@ -1,6 +1,6 @@
 """TTT attention from a fused causal kernel plus the diagonal, merged in log space.
 
-The fused kernel (FlashAttention-2 on CUDA, PyTorch's flash kernel on the CPU) attends over
+The fused kernel (FlashAttention-2 or cuDNN's on CUDA, PyTorch's flash kernel on the CPU) attends over
 the step-0 keys and returns its output and log-sum-exp; each query's S diagonal keys (its own position
 in TTT steps 1..S) are S dot products. Backward hands the kernel the *merged* output and log-sum-exp:
 its P = exp(qk - lse) and D = rowsum(dO * O) are then those of the whole softmax, so the step-0 part's
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from engine.train.kv_heads import repeat_kv, sum_heads
-from engine.train.mixed import compiled_or_eager
+from engine.train.mixed import compiled_or_eager, no_autocast
 
 aten = torch.ops.aten
 
@@ -44,6 +44,20 @@ def _flash_backward(dout, q, k, v, out, lse, state, scale):
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
 
 
+def _cudnn_forward(q, k, v, scale):
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, state, scale):
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    # No bias: None reaches the op as the undefined tensor PyTorch's own autograd passes (an empty
+    # tensor is a defined 1-D bias, which the op refuses).
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+
+
 def _cpu_forward(q, k, v, scale):
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
     return out, lse, ()
@@ -55,6 +69,7 @@ def _cpu_backward(dout, q, k, v, out, lse, state, scale):
 
 KERNELS = {
     "flash": CausalKernel("flash", _flash_forward, _flash_backward),
+    "cudnn": CausalKernel("cudnn", _cudnn_forward, _cudnn_backward),
     "cpu": CausalKernel("cpu", _cpu_forward, _cpu_backward),
 }
 
@@ -65,37 +80,65 @@ def kernel_for(device: torch.device, preferred: str = "flash") -> CausalKernel:
 
 def usable_kernel(q: torch.Tensor, preferred: str = "flash") -> CausalKernel | None:
     """The fused kernel for q's device as probed at q's head width and dtype, or None where it cannot run
-    them (FlashAttention-2 needs an Ampere or newer GPU and at most 256-wide heads, say): the caller then
-    takes the exact SDPA path."""
+    them (FlashAttention-2 needs an Ampere or newer GPU and at most 256-wide heads, cuDNN's a cuDNN 9
+    build, say): the caller then takes the exact SDPA path."""
     return probed_kernel(kernel_for(q.device, preferred).name, str(q.device), q.shape[-1], q.dtype)
 
 
 @functools.lru_cache(maxsize=32)
 def probed_kernel(kernel_name: str, device: str, head_dim: int, dtype: torch.dtype) -> CausalKernel | None:
-    """One forward and backward at the real head width and dtype, with equal heads and then with grouped
-    key/value heads: None if the first fails, the kernel marked native_gqa if the second passes too."""
+    """Forward and backward at the real head width and dtype checked against a reference, with equal heads
+    and then with grouped key/value heads: None if the first fails, the kernel marked native_gqa if the
+    second passes too (else the heads are repeated for it)."""
     kernel = KERNELS[kernel_name]
-    problem = _probe(kernel, device, head_dim, dtype, kv_heads=2)
+    with torch.enable_grad(), no_autocast(torch.device(device).type):  # the caller may be evaluating, or autocasting
+        problem = _probe(kernel, device, head_dim, dtype, kv_heads=PROBE_HEADS)
+        native_gqa = not problem and not _probe(kernel, device, head_dim, dtype, kv_heads=PROBE_HEADS // 2)
     if problem:
         print(f"note: {kernel_name} attention unavailable on {device} for {head_dim}-wide {dtype} heads ({problem}); "
               "training uses the exact SDPA backend", file=sys.stderr, flush=True)
         return None
-    return replace(kernel, native_gqa=not _probe(kernel, device, head_dim, dtype, kv_heads=1))
+    return replace(kernel, native_gqa=native_gqa)
+
+
+PROBE_HEADS, PROBE_TOKENS = 4, 64
 
 
 def _probe(kernel: CausalKernel, device: str, head_dim: int, dtype: torch.dtype, kv_heads: int) -> str:
-    """'' when the kernel runs forward and backward on 2 query heads over kv_heads key/value heads with
-    gradients of the right shapes, else what went wrong."""
-    q = torch.randn(1, 2, 16, head_dim, device=device, dtype=dtype)
-    kv = torch.randn(1, kv_heads, 16, head_dim, device=device, dtype=dtype)
+    """'' when the kernel's forward (out and log-sum-exp) and backward on PROBE_HEADS query heads over
+    kv_heads key/value heads agree with a float64 reference, else what went wrong. Values, not only
+    shapes: a kernel that took grouped heads without error but read them wrongly would train on garbage."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, heads, PROBE_TOKENS, head_dim, generator=gen).to(device, dtype)
+                     for heads in (PROBE_HEADS, kv_heads, kv_heads, PROBE_HEADS))
+    scale = head_dim ** -0.5
     try:
-        out, lse, state = kernel.forward(q, kv, kv, head_dim ** -0.5)
-        dq, dk, dv = kernel.backward(torch.ones_like(out), q, kv, kv, out, lse, state, head_dim ** -0.5)
+        out, lse, state = kernel.forward(q, k, v, scale)
+        grads = kernel.backward(dout, q, k, v, out, lse, state, scale)
     except (RuntimeError, ValueError, NotImplementedError) as exc:
         return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-    if dq.shape != q.shape or dk.shape != kv.shape or dv.shape != kv.shape:
-        return f"gradient shapes {tuple(dq.shape)}, {tuple(dk.shape)} for {tuple(q.shape)}, {tuple(kv.shape)}"
+    want_out, want_lse, want_grads = _reference(q, k, v, dout, scale)
+    if tuple(g.shape for g in grads) != (q.shape, k.shape, v.shape):
+        return f"gradient shapes {[tuple(g.shape) for g in grads]} for {tuple(q.shape)}, {tuple(k.shape)}"
+    if lse.numel() != want_lse.numel() or (lse.double().reshape(want_lse.shape) - want_lse).abs().max() > 0.05:
+        return "its log-sum-exp disagrees with the reference"
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want_grads)):
+        if (got.double() - want).norm() > 0.03 * want.norm():
+            return f"its {name} disagrees with the reference"
     return ""
+
+
+def _reference(q, k, v, dout, scale):
+    """Causal attention in float64 with repeated key/value heads: out, log-sum-exp and (dq, dk, dv)."""
+    groups = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    scores = (q64 @ repeat_kv(k64, groups).transpose(-1, -2)) * scale
+    t = q.shape[2]
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.softmax(scores, -1) @ repeat_kv(v64, groups)
+    grads = torch.autograd.grad(out, (q64, k64, v64), dout.double())
+    return out.detach(), lse.detach(), grads
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
