@@ -171,26 +171,34 @@ def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.devic
     return result
 
 
+VARIANT_ENV = {  # ours/VARIANT sides that are an earlier path of the trainer, chosen by its A/B switches
+    "plain-autocast": {"EAGLE3_TRAIN_PLAIN_AUTOCAST": "1"},
+    "separate-projections": {"EAGLE3_TRAIN_SEPARATE_PROJECTIONS": "1"},
+}
+
+
 def run_ours(cfg, t: int, ttt: int, attention: str, device: torch.device, iters: int, profile: bool, loss: str,
              batches: str = "prefetched") -> dict:
     from bench.training import Variant, run_length
 
     variant = Variant(loss, prefetch=batches != "pageable", ahead=int(batches == "prefetched-ahead"))
-    plain = batches == "plain-autocast"
-    previous = os.environ.get("EAGLE3_TRAIN_PLAIN_AUTOCAST")
-    os.environ["EAGLE3_TRAIN_PLAIN_AUTOCAST"] = "1" if plain else "0"
+    switches = {"EAGLE3_TRAIN_PLAIN_AUTOCAST": "0", "EAGLE3_TRAIN_SEPARATE_PROJECTIONS": "0",
+                **VARIANT_ENV.get(batches, {})}
+    previous = {name: os.environ.get(name) for name in switches}
+    os.environ.update(switches)
     try:
         r = run_length(cfg, t, ttt, iters, attention, variant, device, None, profile)
     finally:
-        if previous is None:
-            del os.environ["EAGLE3_TRAIN_PLAIN_AUTOCAST"]
-        else:
-            os.environ["EAGLE3_TRAIN_PLAIN_AUTOCAST"] = previous
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     r["side"] = "ours" if batches == "prefetched" else f"ours/{batches}"
     return r
 
 
-OUR_VARIANTS = ("prefetched", "prefetched-ahead", "pageable", "plain-autocast")
+OUR_VARIANTS = ("prefetched", "prefetched-ahead", "pageable", "plain-autocast", "separate-projections")
 OUR_BACKENDS = ("flex", "sdpa", "flash", "cudnn")
 
 
@@ -229,7 +237,8 @@ def main() -> int:
                         type=side_name, metavar="ours[/VARIANT][@BACKEND]|specforge",
                         help="ours/pageable: this project's step copying a pageable batch inside the step (before "
                              "session 10); ours/prefetched-ahead: BatchPrefetcher(ahead=1); ours/plain-autocast: "
-                             "EAGLE3_TRAIN_PLAIN_AUTOCAST=1, the mixed precision before engine.train.mixed; "
+                             "EAGLE3_TRAIN_PLAIN_AUTOCAST=1, the mixed precision before engine.train.mixed; ours/separate-projections: "
+                             "EAGLE3_TRAIN_SEPARATE_PROJECTIONS=1, q/k/v and gate/up as separate GEMMs; "
                              "ours@BACKEND: our step with that attention backend (SpecForge keeps --attention)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="kernels listed per --profile table")

@@ -55,6 +55,9 @@ class WeightOps(TorchDispatchMode):
             name = str(func)
             if "_to_copy" in name and first.dtype == torch.float32 and out.dtype == torch.bfloat16:
                 self.casts[tuple(first.shape)] += 1
+            source = args[1] if name.startswith("aten.copy_") and len(args) > 1 else None
+            if isinstance(source, torch.Tensor) and source.dtype == torch.float32 and first.dtype == torch.bfloat16:
+                self.casts[tuple(first.shape)] += 1  # cast into its rows of a stacked copy (stacked_linears)
             if name.startswith("aten.add") and first.dtype == torch.bfloat16:
                 self.bf16_adds[tuple(first.shape)] += 1
         return out
@@ -99,6 +102,50 @@ def test_loss_and_gradients_match_the_previous_path_and_sit_closer_to_fp32(monke
         assert e_new < 1.2 * e_old + 1e-3, (name, e_new, e_old)
         err_new, err_old = err_new + e_new, err_old + e_old
     assert err_new < 0.8 * err_old, (err_new, err_old)  # fp32 accumulation, one rounding per norm
+
+
+class InputGradAdds(TorchDispatchMode):
+    """Counts the bf16 adds on tensors of one activation shape (the attention's [B, T, 2H] input)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.adds = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if (first is not None and str(func).startswith("aten.add") and tuple(first.shape) == self.shape
+                and first.dtype == torch.bfloat16):
+            self.adds += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_stacked_projections_give_the_separate_ones_result_with_one_input_gradient_gemm(monkeypatch):
+    """q/k/v (and gate/up) as one GEMM over stacked weights: the same loss and gradients as the separate
+    projections, and the attention input's gradient no longer sums three bf16 products per TTT step."""
+    t = inputs()[0].input_ids.shape[1]
+    attention_input = (1, t, 2 * CFG["hidden_size"])
+    runs = {}
+    for separate in (True, False):
+        monkeypatch.setenv("EAGLE3_TRAIN_SEPARATE_PROJECTIONS", "1" if separate else "0")
+        log = InputGradAdds(attention_input)
+        runs[separate] = (*step(tiny_drafter(), True, False, monkeypatch, log), log.adds)
+    (loss_sep, grads_sep, adds_sep), (loss_stk, grads_stk, adds_stk) = runs[True], runs[False]
+    assert adds_sep == 2 * TTT and adds_stk == 0, (adds_sep, adds_stk)
+    assert abs(loss_stk - loss_sep) < 1e-3 * abs(loss_sep), (loss_stk, loss_sep)
+    for name, g in grads_sep.items():
+        assert grads_stk[name].dtype == torch.float32 and grads_stk[name].shape == g.shape, name
+        assert float((grads_stk[name] - g).norm() / g.norm()) < 0.05, name  # bf16 roundings differ, no more
+
+
+def test_stacked_projections_leave_each_weight_its_own_fp32_gradient(monkeypatch):
+    monkeypatch.setenv("EAGLE3_TRAIN_SEPARATE_PROJECTIONS", "0")
+    model = tiny_drafter()
+    step(model, True, False, monkeypatch)
+    attn, mlp = model.midlayer.self_attn, model.midlayer.mlp
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        assert m.weight.grad is not None and m.weight.grad.shape == m.weight.shape and m.weight.grad.is_contiguous()
+        assert m.weight.grad.dtype == torch.float32 and float(m.weight.grad.abs().max()) > 0
+        assert m._stack is None and m._cast is None  # nothing held between steps
 
 
 def test_rms_norm_backward_is_the_exact_derivative():

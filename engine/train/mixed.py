@@ -11,6 +11,8 @@ casts back to bf16 (and its gradient back to fp32 in backward).
                        into one fp32 buffer (on CUDA inside the GEMM: fp32 output, beta 1) and
                        WeightCast.backward hands that buffer to the fp32 master: one AccumulateGrad (and
                        one DDP hook) per weight and step, fp32 accumulation throughout.
+  stacked_linears      q/k/v (and gate/up) as one GEMM over their stacked bf16 copies, x's gradient one GEMM
+                       (EAGLE3_TRAIN_SEPARATE_PROJECTIONS=1: one per projection, for A/B measurements).
   rms_norm             fp32 statistics, output in the compute dtype, its own backward that saves only x
                        and 1/rms (fused by torch.compile on CUDA, eager elsewhere or if compiling fails).
 
@@ -26,7 +28,7 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -35,6 +37,12 @@ import torch.nn.functional as F
 
 _BROKEN: list[str] = []  # why the compiled kernels are off (first failure), empty while they work
 COMPILE_DEVICES = ("cuda",)  # on the CPU compiling costs more than it saves (tests widen this)
+
+
+def separate_projections() -> bool:
+    """EAGLE3_TRAIN_SEPARATE_PROJECTIONS=1: q/k/v and gate/up as separate GEMMs (the path before
+    stacked_linears), for A/B measurements; read at each use."""
+    return os.environ.get("EAGLE3_TRAIN_SEPARATE_PROJECTIONS", "").strip() == "1"
 
 
 def plain_autocast() -> bool:
@@ -171,11 +179,34 @@ class _LinearAccum(torch.autograd.Function):
         return grad_x, None, None
 
 
+class _StackedWeightCast(torch.autograd.Function):
+    """Several fp32 masters of one input width -> one stacked copy [sum of rows, in] in the compute dtype;
+    backward hands each master its rows of the slot's fp32 sum (contiguous views, adopted as they are)."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, slot: _GradSlot, *masters: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.slot, ctx.sizes, ctx.master_dtype = slot, [m.shape[0] for m in masters], masters[0].dtype
+        stacked = torch.empty(sum(ctx.sizes), masters[0].shape[1], dtype=dtype, device=masters[0].device)
+        for rows, master in zip(stacked.split(ctx.sizes), masters):
+            rows.copy_(master)
+        return stacked
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        total, ctx.slot.grad = ctx.slot.grad, None
+        if grad is not None:
+            total = grad.to(ctx.master_dtype) if total is None else total.add_(grad)
+        return (None, None, *(total.split(ctx.sizes) if total is not None else [None] * len(ctx.sizes)))
+
+
 class CastLinear(nn.Linear):
     """nn.Linear (no bias) whose weight is cast once per step inside step_weights(); a plain Linear outside."""
 
     _cast_dtype: torch.dtype | None = None
     _cast: tuple[torch.Tensor, _GradSlot] | None = None
+    _stack: tuple[torch.Tensor, _GradSlot] | None = None  # stacked_linears' copy, kept on the group's first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._cast_dtype is None or self.bias is not None:
@@ -185,6 +216,20 @@ class CastLinear(nn.Linear):
             self._cast = (_WeightCast.apply(self.weight, self._cast_dtype, slot), slot)
         weight, slot = self._cast
         return _LinearAccum.apply(x, weight, slot)
+
+
+def stacked_linears(x: torch.Tensor, linears: Sequence[CastLinear]) -> list[torch.Tensor]:
+    """[m(x) for m in linears] for bias-free CastLinears of one input width. Inside step_weights it is one
+    GEMM over their stacked weights, and in backward one GEMM for x's gradient (not one per linear plus
+    the adds that sum them) and one for the stacked weights' gradient; elsewhere each linear on its own."""
+    first = linears[0]
+    if separate_projections() or any(m._cast_dtype is None or m.bias is not None for m in linears):
+        return [m(x) for m in linears]
+    if first._stack is None:
+        slot = _GradSlot()
+        first._stack = (_StackedWeightCast.apply(first._cast_dtype, slot, *(m.weight for m in linears)), slot)
+    weight, slot = first._stack
+    return list(_LinearAccum.apply(x, weight, slot).split([m.weight.shape[0] for m in linears], dim=-1))
 
 
 @contextlib.contextmanager
@@ -205,7 +250,7 @@ def step_weights(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for m in linears:  # the graph keeps what backward needs; the modules keep nothing
-            m._cast_dtype, m._cast = None, None
+            m._cast_dtype, m._cast, m._stack = None, None, None
 
 
 # ------------------------------------------------------------------------------ RMSNorm

@@ -19,7 +19,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.train.attention import DEFAULT_BACKEND
-from engine.train.mixed import CastLinear, compiled_or_eager, rms_norm
+from engine.train.mixed import CastLinear, compiled_or_eager, rms_norm, stacked_linears
 
 
 @dataclass
@@ -116,9 +116,12 @@ class Attention(nn.Module):
 
         b, t, _ = x.shape
         d, h, kv = self.cfg.head_dim, self.cfg.num_attention_heads, self.cfg.num_key_value_heads
-        q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
+        q, k, v = stacked_linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(b, t, h, d).transpose(1, 2)
+        k = k.view(b, t, kv, d).transpose(1, 2)
+        # v is kept (cache, attention's backward) where RoPE replaces q and k: its own copy lets the stacked
+        # projection's output go once RoPE has read it.
+        v = v.contiguous().view(b, t, kv, d).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, d, self.cfg.rope_theta, q.dtype)
         q, k = rope_qk(q, k, cos, sin)
         cache.append((k, v))
@@ -134,7 +137,8 @@ class MLP(nn.Module):
         self.down_proj = CastLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = stacked_linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MidLayer(nn.Module):
