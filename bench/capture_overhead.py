@@ -117,24 +117,26 @@ def _worker_round(capture: bool, items: list, concurrency: int, seed: int) -> di
         _send(_WORKER["client"], _WORKER["spool"], capture, items, concurrency, seed))
 
 
-def _tree_cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + system) of a process and its descendants; 0 if it cannot be read."""
+def _tree_cpu_s(pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) of a process and its descendants, by process name (SGLang names its
+    scheduler and detokenizer, the capture writer names itself); {} if it cannot be read."""
     if pid is None:
-        return 0.0
+        return {}
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0.0
-    total = 0.0
+        return {}
+    total: dict[str, float] = {}
     for proc in procs:
         try:
             times = proc.cpu_times()
-            total += times.user + times.system
+            name = proc.name()
         except psutil.Error:
-            pass
+            continue
+        total[name] = total.get(name, 0.0) + times.user + times.system
     return total
 
 
@@ -184,9 +186,11 @@ async def run_round(clients: _Clients, capture: bool, n: int, length: int, vocab
     prompts = _prompts(n, length, vocab, seed)
     if PHASE_FILE:
         Path(PHASE_FILE).write_text("on" if capture else "off")
-    server_cpu = _tree_cpu_s(server_pid)
+    before = _tree_cpu_s(server_pid)
     parts = await clients.round(capture, prompts, concurrency, seed)
-    server_cpu = _tree_cpu_s(server_pid) - server_cpu
+    after = _tree_cpu_s(server_pid)
+    by_process = {name: after[name] - before.get(name, 0.0) for name in after}
+    server_cpu = sum(by_process.values())
     if PHASE_FILE:
         Path(PHASE_FILE).write_text("idle")
     wall = max(p["finished"] for p in parts) - min(p["started"] for p in parts)
@@ -194,7 +198,8 @@ async def run_round(clients: _Clients, capture: bool, n: int, length: int, vocab
     return {"tok_s": sum(p["tokens"] for p in parts) / wall, "wall_s": wall,
             "client_cpu_ms_per_req": 1000 * sum(p["cpu_s"] for p in parts) / requests,
             "busiest_client_cpu_per_wall": max(p["cpu_s"] / (p["finished"] - p["started"]) for p in parts),
-            "server_cpu_ms_per_req": 1000 * server_cpu / requests if server_pid else None}
+            "server_cpu_ms_per_req": 1000 * server_cpu / requests if server_pid else None,
+            "server_cpu_ms_per_req_by_process": {name: 1000 * cpu / requests for name, cpu in by_process.items()}}
 
 
 def round_ratios(result: dict) -> list[float]:
@@ -211,6 +216,11 @@ def cpu_summary(result: dict) -> dict:
         out[side] = {key: round(statistics.median(r[key] for r in rounds), 3)
                      for key in ("client_cpu_ms_per_req", "busiest_client_cpu_per_wall", "server_cpu_ms_per_req")
                      if rounds and rounds[0][key] is not None}
+        names = sorted({name for r in rounds for name in r.get("server_cpu_ms_per_req_by_process", {})})
+        if names:  # which server process pays for capture: the scheduler (GIL) or the writer beside it
+            out[side]["server_cpu_ms_per_req_by_process"] = {
+                name: round(statistics.median(r["server_cpu_ms_per_req_by_process"].get(name, 0.0) for r in rounds), 3)
+                for name in names}
     return out
 
 

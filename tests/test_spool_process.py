@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -357,3 +358,13 @@ def test_slot_tokens_and_slots_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match=f"EAGLE3_CAPTURE_SLOT_TOKENS='{bad}' is not a whole number of tokens"):
             capture_slot_tokens(4096)
     assert [capture_slots(8192 * per_token + 48) for per_token in (5128, 16392, 32776)] == [9, 7, 3]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl names are Linux's")
+def test_the_writer_process_is_named_so_ps_and_the_capture_bench_can_tell_it_apart(writer):
+    import psutil
+
+    from engine.capture.spool_process import WRITER_PROCESS_NAME
+
+    assert psutil.Process(writer.pid).name() == WRITER_PROCESS_NAME
+    assert psutil.Process().name() != WRITER_PROCESS_NAME  # the parent keeps its own

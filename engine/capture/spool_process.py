@@ -482,12 +482,17 @@ class SpoolWriterProcess:
             self._on_failure(self._dead)
 
 
+WRITER_PROCESS_NAME = "eagle3-capture"
+
+
 def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], threads: int) -> None:
     """The writer process: attach the arena, then write each batch's rows on `threads` threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engine.capture.segments import write_segment
+    from engine.system.procinfo import name_process
 
+    name_process(WRITER_PROCESS_NAME)  # the server's CPU by process (bench/capture_overhead.py) names it
     shm = shared_memory.SharedMemory(name=shm_name)
     arena = torch.frombuffer(shm.buf, dtype=torch.uint8)
     send_lock = threading.Lock()
