@@ -205,6 +205,31 @@ def test_a_kernel_that_reads_grouped_heads_wrongly_gets_repeated_heads(monkeypat
         merged_attention.probed_kernel.cache_clear()
 
 
+def test_a_kernel_not_to_probe_with_grouped_heads_never_sees_them(monkeypatch):
+    """cuDNN's kernel is never handed fewer key/value heads (a read past them could fault the device)."""
+    from dataclasses import replace
+
+    from engine.train import merged_attention
+
+    def equal_heads(entry):
+        def call(*args, **kwargs):
+            heads = {a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4}
+            assert len(heads) == 1, f"grouped heads reached the kernel: {heads}"
+            return entry(*args, **kwargs)
+        return call
+
+    cpu = merged_attention.KERNELS["cpu"]
+    monkeypatch.setitem(merged_attention.KERNELS, "cpu", replace(
+        cpu, forward=equal_heads(cpu.forward), backward=equal_heads(cpu.backward), probe_grouped=False))
+    merged_attention.probed_kernel.cache_clear()
+    try:
+        assert merged_attention.usable_kernel(torch.randn(1, 4, 8, 8, dtype=torch.float64)).native_gqa is False
+        _assert_flash_equals_dense_in_float64(*_inputs(1, 2, 2, 19, 8, 3, torch.float64, seed=6))
+    finally:
+        merged_attention.probed_kernel.cache_clear()
+    assert merged_attention.KERNELS["cudnn"].probe_grouped is False
+
+
 def test_a_kernel_whose_log_sum_exp_is_in_another_base_is_not_used(monkeypatch, capsys):
     from engine.train import merged_attention
 

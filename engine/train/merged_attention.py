@@ -30,6 +30,9 @@ class CausalKernel:
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple]]  # (q, k, v, scale) -> out, lse, state
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (dout, q, k, v, out, lse, state, scale)
     native_gqa: bool = False  # takes fewer key/value heads than query heads; else they are repeated
+    # Whether to probe grouped heads at all: a kernel that took them but read past the key/value tensors
+    # could fault the device, which no later call survives.
+    probe_grouped: bool = True
 
 
 def _flash_forward(q, k, v, scale):
@@ -69,7 +72,7 @@ def _cpu_backward(dout, q, k, v, out, lse, state, scale):
 
 KERNELS = {
     "flash": CausalKernel("flash", _flash_forward, _flash_backward),
-    "cudnn": CausalKernel("cudnn", _cudnn_forward, _cudnn_backward),
+    "cudnn": CausalKernel("cudnn", _cudnn_forward, _cudnn_backward, probe_grouped=False),
     "cpu": CausalKernel("cpu", _cpu_forward, _cpu_backward),
 }
 
@@ -88,12 +91,13 @@ def usable_kernel(q: torch.Tensor, preferred: str = "flash") -> CausalKernel | N
 @functools.lru_cache(maxsize=32)
 def probed_kernel(kernel_name: str, device: str, head_dim: int, dtype: torch.dtype) -> CausalKernel | None:
     """Forward and backward at the real head width and dtype checked against a reference, with equal heads
-    and then with grouped key/value heads: None if the first fails, the kernel marked native_gqa if the
-    second passes too (else the heads are repeated for it)."""
+    and then (where probe_grouped) with grouped key/value heads: None if the first fails, the kernel marked
+    native_gqa if the second passes too (else the heads are repeated for it)."""
     kernel = KERNELS[kernel_name]
     with torch.enable_grad(), no_autocast(torch.device(device).type):  # the caller may be evaluating, or autocasting
         problem = _probe(kernel, device, head_dim, dtype, kv_heads=PROBE_HEADS)
-        native_gqa = not problem and not _probe(kernel, device, head_dim, dtype, kv_heads=PROBE_HEADS // 2)
+        native_gqa = (not problem and kernel.probe_grouped
+                      and not _probe(kernel, device, head_dim, dtype, kv_heads=PROBE_HEADS // 2))
     if problem:
         print(f"note: {kernel_name} attention unavailable on {device} for {head_dim}-wide {dtype} heads ({problem}); "
               "training uses the exact SDPA backend", file=sys.stderr, flush=True)
