@@ -210,6 +210,19 @@ def round_ratios(result: dict) -> list[float]:
     return [round(a / b, 3) for a, b in zip(result["on"], result["off"])]
 
 
+def order_effect(result: dict) -> dict:
+    """Median tok/s of each side by the side that ran just before it. The pairs alternate their order to
+    cancel drift; a large gap here (session 18's e2e rounds: 'off' after 'on' well above 'off' after
+    'off') says the rounds are not independent and the pair ratios carry it."""
+    out = {}
+    for side in ("on", "off"):
+        for before in ("on", "off"):
+            values = [r["tok_s"] for r in result["rounds"][side] if r.get("after") == before]
+            if values:
+                out[f"{side} after {before}"] = round(statistics.median(values))
+    return out
+
+
 def ratio_verdict(pairs: list[float], goal: float = GOAL) -> str:
     """The median per-round ratio with its seeded 95 % bootstrap interval (engine.evaluate.stats, as the
     speedup verdicts use) and what it says about the goal: shown met, shown missed, or not resolved."""
@@ -252,12 +265,15 @@ async def bench(url: str, spool: Path, args, vocab: int, server_pid: int | None 
         await run_round(clients, True, args.concurrency, args.length, vocab, args.concurrency, 999)  # warm-up
         await run_round(clients, False, args.concurrency, args.length, vocab, args.concurrency, 998)
         rounds: dict[str, list[dict]] = {"on": [], "off": []}
+        previous = "off"  # the warm-up's last side
         for r in range(args.rounds):
             order = (True, False) if r % 2 == 0 else (False, True)
             for capture in order:
                 measured = await run_round(clients, capture, args.requests, args.length, vocab, args.concurrency, r,
                                            server_pid)
-                rounds["on" if capture else "off"].append(measured)
+                side = "on" if capture else "off"
+                measured["after"], previous = previous, side
+                rounds[side].append(measured)
     return {"on": [r["tok_s"] for r in rounds["on"]], "off": [r["tok_s"] for r in rounds["off"]],
             "rounds": rounds, "clients": clients_n}
 
@@ -401,6 +417,7 @@ def main() -> int:  # noqa: C901 - a linear script
                    "all_off": [round(x) for x in result["off"]], "spool_write_ceiling": ceiling,
                    "per_round_ratios": round_ratios(result), "clients": args.clients, "ablate": args.ablate,
                    "capture_writer": writer, "verdict": ratio_verdict(round_ratios(result)),
+                   "order_effect_tok_s": order_effect(result),
                    "cpu_per_side": cpu_summary(result)}
         print(json.dumps(summary, indent=2))
         pairs = sorted(a / b for a, b in zip(result["on"], result["off"]))
@@ -411,6 +428,7 @@ def main() -> int:  # noqa: C901 - a linear script
         print(f"per-round ratios (round i on / round i off): min {pairs[0]:.3f}, median "
               f"{statistics.median(pairs):.3f}, max {pairs[-1]:.3f} over {len(pairs)} rounds")
         print(ratio_verdict(pairs))
+        print("median tok/s by the side run just before: " + ", ".join(f"{k} {v:,}" for k, v in order_effect(result).items()))
         for side, figures in summary["cpu_per_side"].items():
             print(f"capture {side}: " + ", ".join(f"{k} {v}" for k, v in figures.items()) + f" ({args.clients} client processes)")
         if args.probe_server and Path(args.probe_server).is_file():

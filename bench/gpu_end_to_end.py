@@ -471,7 +471,7 @@ def main() -> int:
     import statistics
 
     from capture_overhead import bench as overhead_bench
-    from capture_overhead import cpu_summary, ratio_verdict, round_ratios
+    from capture_overhead import cpu_summary, order_effect, ratio_verdict, round_ratios
 
     # Loads (--capture-loads) on the same server, each 10 alternating rounds a side of 384 prompts x 512
     # tokens. One Python client process tops out near ~300 requests/s of 512 ids (3-5 ms of its CPU each,
@@ -497,7 +497,7 @@ def main() -> int:
         load = {"load": name, "ratio": round(statistics.median(ov["on"]) / statistics.median(ov["off"]), 3),
                 "on_tok_s": [round(x) for x in ov["on"]], "off_tok_s": [round(x) for x in ov["off"]],
                 "round_ratios": pairs, "median_round_ratio": statistics.median(pairs),
-                "verdict": ratio_verdict(pairs), "cpu_per_side": cpu_summary(ov)}
+                "verdict": ratio_verdict(pairs), "order_effect_tok_s": order_effect(ov), "cpu_per_side": cpu_summary(ov)}
         log(f"capture overhead, {name}: ratio of medians {load['ratio']} ({statistics.median(ov['on']):,.0f} vs "
             f"{statistics.median(ov['off']):,.0f} tok/s); round pairs median {load['median_round_ratio']}, "
             f"{min(pairs)}..{max(pairs)}; {load['verdict']}; CPU per side {load['cpu_per_side']}")
