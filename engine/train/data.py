@@ -39,10 +39,6 @@ class Batch:
     hidden: torch.Tensor  # [B, T, Ht]
     lengths: torch.Tensor  # int64 [B]
 
-    @property
-    def tokens(self) -> int:
-        return int(self.lengths.sum())
-
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
 

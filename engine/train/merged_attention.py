@@ -121,9 +121,9 @@ def _probe(kernel: CausalKernel, device: str, head_dim: int, dtype: torch.dtype,
         grads = kernel.backward(dout, q, k, v, out, lse, state, scale)
     except (RuntimeError, ValueError, NotImplementedError) as exc:
         return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-    want_out, want_lse, want_grads = _reference(q, k, v, dout, scale)
     if tuple(g.shape for g in grads) != (q.shape, k.shape, v.shape):
         return f"gradient shapes {[tuple(g.shape) for g in grads]} for {tuple(q.shape)}, {tuple(k.shape)}"
+    want_out, want_lse, want_grads = _reference(q, k, v, dout, scale)
     if lse.numel() != want_lse.numel() or (lse.double().reshape(want_lse.shape) - want_lse).abs().max() > 0.05:
         return "its log-sum-exp disagrees with the reference"
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want_grads)):

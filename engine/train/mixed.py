@@ -138,6 +138,14 @@ class _GradSlot:
         else:
             accumulate_fp32(self.grad, a, b)
 
+    def take(self, grad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The step's sum, handed over (AccumulateGrad can adopt it without a copy), plus `grad` from uses
+        of the copy by plain autograd ops; the slot is empty again."""
+        total, self.grad = self.grad, None
+        if grad is not None:
+            total = grad.to(dtype) if total is None else total.add_(grad)
+        return total
+
 
 class _WeightCast(torch.autograd.Function):
     """master (fp32) -> its copy in the compute dtype; backward returns the slot's fp32 sum once. Autograd
@@ -152,10 +160,7 @@ class _WeightCast(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        total, ctx.slot.grad = ctx.slot.grad, None  # handed over: AccumulateGrad can adopt it without a copy
-        if grad is not None:  # the copy was also used by plain autograd ops
-            total = grad.to(ctx.master_dtype) if total is None else total.add_(grad)
-        return total, None, None
+        return ctx.slot.take(grad, ctx.master_dtype), None, None
 
 
 class _LinearAccum(torch.autograd.Function):
@@ -195,9 +200,7 @@ class _StackedWeightCast(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        total, ctx.slot.grad = ctx.slot.grad, None
-        if grad is not None:
-            total = grad.to(ctx.master_dtype) if total is None else total.add_(grad)
+        total = ctx.slot.take(grad, ctx.master_dtype)
         return (None, None, *(total.split(ctx.sizes) if total is not None else [None] * len(ctx.sizes)))
 
 
