@@ -117,7 +117,7 @@ def _worker_round(capture: bool, items: list, concurrency: int, seed: int) -> di
         _send(_WORKER["client"], _WORKER["spool"], capture, items, concurrency, seed))
 
 
-def _tree_cpu_s(pid: int | None) -> dict[str, float]:
+def _tree_cpu_by_name(pid: int | None) -> dict[str, float]:
     """CPU seconds (user + system) of a process and its descendants, by process name (SGLang names its
     scheduler and detokenizer, the capture writer names itself); {} if it cannot be read."""
     if pid is None:
@@ -186,9 +186,9 @@ async def run_round(clients: _Clients, capture: bool, n: int, length: int, vocab
     prompts = _prompts(n, length, vocab, seed)
     if PHASE_FILE:
         Path(PHASE_FILE).write_text("on" if capture else "off")
-    before = _tree_cpu_s(server_pid)
+    before = _tree_cpu_by_name(server_pid)
     parts = await clients.round(capture, prompts, concurrency, seed)
-    after = _tree_cpu_s(server_pid)
+    after = _tree_cpu_by_name(server_pid)
     by_process = {name: after[name] - before.get(name, 0.0) for name in after}
     server_cpu = sum(by_process.values())
     if PHASE_FILE:

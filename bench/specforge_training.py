@@ -144,7 +144,7 @@ def time_steps(one_step: Callable[[], torch.Tensor], device: torch.device, iters
 
 
 def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.device, iters: int, profile: bool) -> dict:
-    from bench.training import model_flops, profile_step_timeline
+    from bench.training import model_flops, profile_into
 
     gpu = device.type == "cuda"
     torch.manual_seed(0)
@@ -160,9 +160,7 @@ def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.devic
               "tflops": model_flops(cfg, t, ttt) / seconds / 1e12, "first_loss": first,
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:
-        result["kernels"], timeline = profile_step_timeline(one_step, device)
-        if timeline is not None:
-            result["timeline"] = timeline
+        profile_into(result, one_step, device)
     close()
     del one_step, close
     gc.collect()

@@ -1,6 +1,6 @@
 """Drafter training throughput at Llama-3.1-8B drafter shapes on one GPU.
 
-    python bench/training.py [--lengths 2048 4096 16384] [--steps 7] [--backend flex|sdpa|flash]
+    python bench/training.py [--lengths 2048 4096 16384] [--steps 7] [--backend flex|sdpa|flash|cudnn]
                              [--loss fused|fused-compiled|checkpoint ...] [--optim fused|foreach]
                              [--embed bf16|fp32] [--zero-grad early|late] [--chunk-rows N]
                              [--batches prefetched|pageable ...] [--compare] [--profile] [--cpu-smoke]
@@ -191,12 +191,9 @@ def top_kernels(prof, device: torch.device, n: int | None = None) -> list[dict]:
     return rows[:n or TOP_KERNELS]
 
 
-def profile_step(one_step, device: torch.device) -> list[dict]:
-    return profile_step_timeline(one_step, device)[0]
-
-
-def profile_step_timeline(one_step, device: torch.device) -> tuple[list[dict], dict | None]:
-    """The top kernels of one step and, on CUDA, where its GPU time goes (kernel_timeline)."""
+def profile_into(result: dict, one_step, device: torch.device) -> None:
+    """result["kernels"]: the top kernels of one step; on CUDA also result["timeline"]: where its GPU time
+    goes (kernel_timeline)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -204,9 +201,10 @@ def profile_step_timeline(one_step, device: torch.device) -> tuple[list[dict], d
     with profile(activities=activities) as prof:
         one_step()
         _sync(device)
-    timeline = kernel_timeline([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                                if e.device_type != DeviceType.CPU and not e.is_user_annotation]) if device.type == "cuda" else None
-    return top_kernels(prof, device), timeline
+    result["kernels"] = top_kernels(prof, device)
+    if device.type == "cuda":
+        result["timeline"] = kernel_timeline([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                              if e.device_type != DeviceType.CPU and not e.is_user_annotation])
 
 
 KERNEL_FAMILIES = (  # first match wins
@@ -276,9 +274,7 @@ def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, v
               "tokens_per_s": records * t / seconds, "tflops": records * model_flops(cfg, t, steps) / seconds / 1e12, "first_loss": first_loss,
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:
-        result["kernels"], timeline = profile_step_timeline(one_step, device)
-        if timeline is not None:
-            result["timeline"] = timeline
+        profile_into(result, one_step, device)
     close()
     del one_step, close
     gc.collect()
