@@ -30,9 +30,9 @@ def _value_and_grads(backend, q, keys, values, weight):
     return out, grads
 
 
-def _assert_flash_equals_dense_in_float64(q, keys, values):
+def _assert_flash_equals_dense_in_float64(q, keys, values, backend="flash"):
     weight = torch.randn(q.shape, dtype=torch.float64)
-    out, grads = _value_and_grads("flash", q, keys, values, weight)
+    out, grads = _value_and_grads(backend, q, keys, values, weight)
     ref_out, ref_grads = _value_and_grads("dense", q, keys, values, weight)
     assert out.shape == ref_out.shape
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
@@ -71,7 +71,8 @@ def test_cuda_kernel_in_bf16_matches_the_float64_reference(groups, steps, t, bac
     from engine.train.merged_attention import usable_kernel
 
     q, keys, values = _inputs(1, 8 // groups, groups, t, 128, steps, torch.bfloat16, device="cuda", seed=5)
-    if usable_kernel(q, backend) is None:  # this build lacks it: the run falls back, and says why
+    kernel = usable_kernel(q, backend)
+    if kernel is None or kernel.name != backend:  # this build lacks it: the run falls back, and says why
         pytest.skip(f"{backend} kernel unusable here: {capsys.readouterr().err.strip()}")
     weight = torch.randn(q.shape, dtype=torch.float64, device="cuda")
     out, grads = _value_and_grads(backend, q, keys, values, weight)
@@ -145,6 +146,30 @@ def test_a_device_without_the_fused_kernel_falls_back_to_the_exact_sdpa_path(mon
         merged_attention.probed_kernel.cache_clear()
     torch.testing.assert_close(out, ttt_attention(q, keys, values, "dense"), rtol=1e-5, atol=1e-6)  # sdpa merges in fp32
     assert "cpu attention unavailable on cpu for 8-wide torch.float64 heads (No available kernel" in capsys.readouterr().err
+
+
+def test_a_cudnn_kernel_that_fails_its_probe_gives_way_to_flash_not_to_sdpa(monkeypatch, capsys):
+    """The default backend's kernel turned down (an old cuDNN, say): FlashAttention-2 runs, and a note says so."""
+    from dataclasses import replace
+
+    from engine.train import merged_attention
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: no valid execution plan")
+
+    cpu = merged_attention.KERNELS["cpu"]
+    monkeypatch.setitem(merged_attention.KERNELS, "cudnn", merged_attention.CausalKernel("cudnn", no_kernel, no_kernel))
+    monkeypatch.setitem(merged_attention.KERNELS, "flash", replace(cpu, name="flash"))
+    monkeypatch.setattr(merged_attention, "kernel_for", lambda device, preferred="flash": merged_attention.KERNELS[preferred])
+    merged_attention.probed_kernel.cache_clear()
+    try:
+        q, keys, values = _inputs(1, 2, 2, 23, 8, 3, torch.float64)
+        assert merged_attention.usable_kernel(q, "cudnn").name == "flash"
+        _assert_flash_equals_dense_in_float64(q, keys, values, backend="cudnn")
+    finally:
+        merged_attention.probed_kernel.cache_clear()
+    assert ("note: cudnn attention unavailable on cpu for 8-wide torch.float64 heads (cuDNN Frontend error: "
+            "no valid execution plan); training uses flash") in capsys.readouterr().err
 
 
 def test_kernels_without_native_gqa_get_repeated_keys_and_summed_gradients(monkeypatch):

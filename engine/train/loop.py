@@ -110,7 +110,7 @@ class Trainer:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         # flex_attention recompiles for every new sequence length; real datasets have many lengths, so a
-        # fused kernel that needs no compilation (flash) is the default. EAGLE3_TRAIN_ATTENTION picks another.
+        # fused kernel that needs no compilation (cudnn, then flash) is the default. EAGLE3_TRAIN_ATTENTION picks another.
         try:
             self.backend = check_backend(backend or os.environ.get("EAGLE3_TRAIN_ATTENTION", DEFAULT_BACKEND))
         except ValueError as exc:

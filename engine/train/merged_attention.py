@@ -77,22 +77,34 @@ KERNELS = {
 }
 
 
+# A kernel the probe turns down gives way to the next one here before the exact SDPA path.
+FALLBACKS = {"cudnn": ("cudnn", "flash"), "flash": ("flash",)}
+
+
 def kernel_for(device: torch.device, preferred: str = "flash") -> CausalKernel:
     return KERNELS[preferred] if device.type == "cuda" else KERNELS["cpu"]
 
 
 def usable_kernel(q: torch.Tensor, preferred: str = "flash") -> CausalKernel | None:
-    """The fused kernel for q's device as probed at q's head width and dtype, or None where it cannot run
-    them (FlashAttention-2 needs an Ampere or newer GPU and at most 256-wide heads, cuDNN's a cuDNN 9
-    build, say): the caller then takes the exact SDPA path."""
-    return probed_kernel(kernel_for(q.device, preferred).name, str(q.device), q.shape[-1], q.dtype)
+    """The first fused kernel for q's device, preferred first, that passes the probe at q's head width and
+    dtype, or None where none can run them (FlashAttention-2 needs an Ampere or newer GPU and at most
+    256-wide heads, cuDNN's a cuDNN 9 build, say): the caller then takes the exact SDPA path."""
+    names = tuple(dict.fromkeys(kernel_for(q.device, name).name for name in FALLBACKS[preferred]))
+    for position, name in enumerate(names):
+        then = names[position + 1] if position + 1 < len(names) else "the exact SDPA backend"
+        kernel = probed_kernel(name, str(q.device), q.shape[-1], q.dtype, then)
+        if kernel is not None:
+            return kernel
+    return None
 
 
 @functools.lru_cache(maxsize=32)
-def probed_kernel(kernel_name: str, device: str, head_dim: int, dtype: torch.dtype) -> CausalKernel | None:
+def probed_kernel(kernel_name: str, device: str, head_dim: int, dtype: torch.dtype,
+                  then: str = "the exact SDPA backend") -> CausalKernel | None:
     """Forward and backward at the real head width and dtype checked against a reference, with equal heads
-    and then (where probe_grouped) with grouped key/value heads: None if the first fails, the kernel marked
-    native_gqa if the second passes too (else the heads are repeated for it)."""
+    and then (where probe_grouped) with grouped key/value heads: None if the first fails (the note says the
+    run goes on with `then`), the kernel marked native_gqa if the second passes too (else the heads are
+    repeated for it)."""
     kernel = KERNELS[kernel_name]
     with torch.enable_grad(), no_autocast(torch.device(device).type):  # the caller may be evaluating, or autocasting
         problem = _probe(kernel, device, head_dim, dtype, kv_heads=PROBE_HEADS)
@@ -100,7 +112,7 @@ def probed_kernel(kernel_name: str, device: str, head_dim: int, dtype: torch.dty
                       and not _probe(kernel, device, head_dim, dtype, kv_heads=PROBE_HEADS // 2))
     if problem:
         print(f"note: {kernel_name} attention unavailable on {device} for {head_dim}-wide {dtype} heads ({problem}); "
-              "training uses the exact SDPA backend", file=sys.stderr, flush=True)
+              f"training uses {then}", file=sys.stderr, flush=True)
         return None
     return replace(kernel, native_gqa=native_gqa)
 
