@@ -156,6 +156,24 @@ def test_rms_norm_backward_is_the_exact_derivative():
     assert torch.allclose(mixed.rms_norm(x, w, 1e-5), ref)
 
 
+def test_swiglu_backward_is_the_exact_derivative_of_silu_gate_times_up():
+    gate_up = torch.randn(3, 5, 2 * 12, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(mixed.swiglu, (gate_up,))
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(mixed.swiglu(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_swiglu_keeps_only_its_stacked_input_for_backward():
+    """Eager silu(gate) * up also saves silu(gate), a [T, intermediate] tensor per TTT step."""
+    saved = []
+    gate_up = torch.randn(4, 2 * 12, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = mixed.swiglu(gate_up * 1)
+    assert [tuple(t.shape) for t in saved] == [(4, 24)]
+    out.float().sum().backward()
+    assert gate_up.grad.shape == gate_up.shape and gate_up.grad.dtype == torch.bfloat16
+
+
 def test_rms_norm_returns_the_compute_dtype_under_autocast_only():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     w = torch.ones(16)
@@ -195,6 +213,8 @@ def test_compiled_kernels_trace_to_the_eager_result(monkeypatch):
     monkeypatch.setattr(torch, "compile", aot_eager)
     monkeypatch.setattr(mixed, "_rms_forward_kernel", mixed.compiled_or_eager(mixed._rms_forward))
     monkeypatch.setattr(mixed, "_rms_backward_kernel", mixed.compiled_or_eager(mixed._rms_backward))
+    monkeypatch.setattr(mixed, "_swiglu_forward_kernel", mixed.compiled_or_eager(mixed._swiglu_forward))
+    monkeypatch.setattr(mixed, "_swiglu_backward_kernel", mixed.compiled_or_eager(mixed._swiglu_backward))
     monkeypatch.setattr(model_mod, "rope_qk", mixed.compiled_or_eager(model_mod._rope_qk))
     monkeypatch.setattr(loss_mod, "_COMPILED_HEAD_NORM", (mixed.compiled_or_eager(loss_mod._head_norm_forward),
                                                           mixed.compiled_or_eager(loss_mod._head_norm_backward)))
@@ -202,7 +222,7 @@ def test_compiled_kernels_trace_to_the_eager_result(monkeypatch):
     model = tiny_drafter()
     got_loss, got = step(model, True, False, monkeypatch, compile_head=True)
     assert sorted(set(calls)) == ["_head_norm_backward", "_head_norm_forward", "_rms_backward", "_rms_forward",
-                                  "_rope_qk"] and not mixed._BROKEN
+                                  "_rope_qk", "_swiglu_backward", "_swiglu_forward"] and not mixed._BROKEN
     monkeypatch.setattr(mixed, "COMPILE_DEVICES", ())
     ref_loss, ref = step(model, True, False, monkeypatch)
     assert got_loss == pytest.approx(ref_loss, rel=1e-6)

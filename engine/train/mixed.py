@@ -13,11 +13,13 @@ casts back to bf16 (and its gradient back to fp32 in backward).
                        one DDP hook) per weight and step, fp32 accumulation throughout.
   stacked_linears      q/k/v (and gate/up) as one GEMM over their stacked bf16 copies, x's gradient one GEMM
                        (EAGLE3_TRAIN_SEPARATE_PROJECTIONS=1: one per projection, for A/B measurements).
+  swiglu               silu(gate) * up over the stacked gate/up output: one fused kernel each way, fp32
+                       inside, its backward writing the stacked gradient directly (no cat of two halves).
   rms_norm             fp32 statistics, output in the compute dtype, its own backward that saves only x
                        and 1/rms (fused by torch.compile on CUDA, eager elsewhere or if compiling fails).
 
 EAGLE3_TRAIN_PLAIN_AUTOCAST=1 turns these off, and every compiled_or_eager kernel (RoPE in engine.train.model,
-the fused head's norm in engine.train.loss): the previous path (plain autocast, RMSNorm through autograd returning
+the fused head's norm in engine.train.loss, swiglu): the previous path (plain autocast, RMSNorm through autograd returning
 weight * x_hat in the promoted dtype, eager kernels), for A/B measurements (bench/specforge_training.py --sides
 ours/plain-autocast).
 """
@@ -221,18 +223,26 @@ class CastLinear(nn.Linear):
         return _LinearAccum.apply(x, weight, slot)
 
 
-def stacked_linears(x: torch.Tensor, linears: Sequence[CastLinear]) -> list[torch.Tensor]:
-    """[m(x) for m in linears] for bias-free CastLinears of one input width. Inside step_weights it is one
-    GEMM over their stacked weights, and in backward one GEMM for x's gradient (not one per linear plus
-    the adds that sum them) and one for the stacked weights' gradient; elsewhere each linear on its own."""
+def stacked_linear(x: torch.Tensor, linears: Sequence[CastLinear]) -> torch.Tensor | None:
+    """cat([m(x) for m in linears], -1) as one GEMM over their stacked bf16 copies, for bias-free CastLinears
+    of one input width inside step_weights; x's gradient is one GEMM too (not one per linear plus the adds
+    that sum them). None where that does not apply (outside step_weights, or separate projections asked)."""
     first = linears[0]
     if separate_projections() or any(m._cast_dtype is None or m.bias is not None for m in linears):
-        return [m(x) for m in linears]
+        return None
     if first._stack is None:
         slot = _GradSlot()
         first._stack = (_StackedWeightCast.apply(first._cast_dtype, slot, *(m.weight for m in linears)), slot)
     weight, slot = first._stack
-    return list(_LinearAccum.apply(x, weight, slot).split([m.weight.shape[0] for m in linears], dim=-1))
+    return _LinearAccum.apply(x, weight, slot)
+
+
+def stacked_linears(x: torch.Tensor, linears: Sequence[CastLinear]) -> list[torch.Tensor]:
+    """[m(x) for m in linears]: stacked_linear's output split, or each linear on its own where it does not apply."""
+    stacked = stacked_linear(x, linears)
+    if stacked is None:
+        return [m(x) for m in linears]
+    return list(stacked.split([m.weight.shape[0] for m in linears], dim=-1))
 
 
 @contextlib.contextmanager
@@ -303,3 +313,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     out_dtype = autocast_dtype(x.device.type) or torch.promote_types(x.dtype, weight.dtype)
     return _RMSNorm.apply(x, weight, eps, out_dtype)
+
+
+# ------------------------------------------------------------------------------ SwiGLU
+
+
+def _swiglu_forward(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.to(torch.promote_types(gate_up.dtype, torch.float32)).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def _swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    acc = torch.promote_types(gate_up.dtype, torch.float32)
+    gate, up = gate_up.to(acc).chunk(2, dim=-1)
+    g = grad.to(acc)
+    sig = torch.sigmoid(gate)
+    grad_gate = g * up * sig * (1 + gate * (1 - sig))
+    return torch.cat([grad_gate, g * gate * sig], dim=-1).to(gate_up.dtype)
+
+
+_swiglu_forward_kernel = compiled_or_eager(_swiglu_forward)
+_swiglu_backward_kernel = compiled_or_eager(_swiglu_backward)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor):
+        ctx.save_for_backward(gate_up)
+        return _swiglu_forward_kernel(gate_up)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        return _swiglu_backward_kernel(grad, gate_up)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = cat([gate, up], -1). Saves only gate_up for backward (eagerly, autograd
+    also kept silu(gate)); on CUDA each direction is one compiled kernel computing in fp32 and rounding once."""
+    if plain_autocast():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return _SwiGLU.apply(gate_up)

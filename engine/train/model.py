@@ -19,7 +19,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine.train.attention import DEFAULT_BACKEND
-from engine.train.mixed import CastLinear, compiled_or_eager, rms_norm, stacked_linears
+from engine.train.mixed import CastLinear, compiled_or_eager, rms_norm, stacked_linear, stacked_linears, swiglu
 
 
 @dataclass
@@ -137,8 +137,10 @@ class MLP(nn.Module):
         self.down_proj = CastLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = stacked_linears(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = stacked_linear(x, (self.gate_proj, self.up_proj))
+        if gate_up is None:  # evaluation, or separate projections asked: two GEMMs, as before
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(gate_up))
 
 
 class MidLayer(nn.Module):
