@@ -154,13 +154,14 @@ def test_bad_inputs_fail_clearly(hidden_run, tiny_model_dir, tmp_path):
 
 
 def test_an_unknown_attention_backend_is_refused_by_name(hidden_run, tiny_model_dir, tmp_path, monkeypatch):
+    from engine.train.attention import DEFAULT_BACKEND
     from engine.train.loop import Trainer, TrainError
 
     monkeypatch.setenv("EAGLE3_TRAIN_ATTENTION", "flsh")
     with pytest.raises(TrainError, match=r"unknown TTT attention backend 'flsh'.*use one of flash, cudnn, sdpa, flex"):
         Trainer(train_workspace(tmp_path / "ws", tiny_model_dir, hidden_run))
     monkeypatch.delenv("EAGLE3_TRAIN_ATTENTION")
-    assert Trainer(train_workspace(tmp_path / "ws2", tiny_model_dir, hidden_run)).backend == "flash"
+    assert Trainer(train_workspace(tmp_path / "ws2", tiny_model_dir, hidden_run)).backend == DEFAULT_BACKEND == "cudnn"
 
 
 def test_job_sigterm_checkpoints_and_resumes(hidden_run, tiny_model_dir, tmp_path):
