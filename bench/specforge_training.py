@@ -172,6 +172,7 @@ def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.devic
 VARIANT_ENV = {  # ours/VARIANT sides that are an earlier path of the trainer, chosen by its A/B switches
     "plain-autocast": {"EAGLE3_TRAIN_PLAIN_AUTOCAST": "1"},
     "separate-projections": {"EAGLE3_TRAIN_SEPARATE_PROJECTIONS": "1"},
+    "all-dynamic": {"EAGLE3_TRAIN_COMPILE_DYNAMIC": "all"},
 }
 
 
@@ -181,6 +182,7 @@ def run_ours(cfg, t: int, ttt: int, attention: str, device: torch.device, iters:
 
     variant = Variant(loss, prefetch=batches != "pageable", ahead=int(batches == "prefetched-ahead"))
     switches = {"EAGLE3_TRAIN_PLAIN_AUTOCAST": "0", "EAGLE3_TRAIN_SEPARATE_PROJECTIONS": "0",
+                "EAGLE3_TRAIN_COMPILE_DYNAMIC": "automatic",
                 **VARIANT_ENV.get(batches, {})}
     previous = {name: os.environ.get(name) for name in switches}
     os.environ.update(switches)
@@ -196,7 +198,7 @@ def run_ours(cfg, t: int, ttt: int, attention: str, device: torch.device, iters:
     return r
 
 
-OUR_VARIANTS = ("prefetched", "prefetched-ahead", "pageable", "plain-autocast", "separate-projections")
+OUR_VARIANTS = ("prefetched", "prefetched-ahead", "pageable", "plain-autocast", "separate-projections", "all-dynamic")
 OUR_BACKENDS = ("flex", "sdpa", "flash", "cudnn")
 
 

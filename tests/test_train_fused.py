@@ -251,13 +251,13 @@ def test_a_broken_compiler_falls_back_to_the_eager_head(monkeypatch, capsys):
 
     monkeypatch.setattr(torch, "compile", broken)
     monkeypatch.setattr(loss_mod, "_COMPILE_BROKEN", [])
-    loss_mod._compiled_chunk_pass.cache_clear()
+    loss_mod._compiled_chunk_pass_for.cache_clear()
     try:
         assert_compiled_head_matches_eager(seed=12, rtol=1e-12, atol=1e-14)
         assert "compiled loss head unavailable (RuntimeError: InductorError" in capsys.readouterr().err
         assert len(loss_mod._COMPILE_BROKEN) == 1  # reported once, then eager without retrying
     finally:
-        loss_mod._compiled_chunk_pass.cache_clear()
+        loss_mod._compiled_chunk_pass_for.cache_clear()
 
 
 def test_compiled_head_is_on_by_default_on_cuda_only(monkeypatch):

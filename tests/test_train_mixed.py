@@ -261,3 +261,26 @@ def test_cuda_weight_gradients_accumulate_in_one_fp32_gemm_per_use():
     assert not mixed.FP32_GEMM_BROKEN, mixed.FP32_GEMM_BROKEN
     assert lin.weight.grad.dtype == torch.float32
     assert float((lin.weight.grad.double() - exact).abs().max()) < 1e-4 * float(exact.abs().max())
+
+
+def test_compiled_kernels_keep_the_model_widths_constant_unless_all_dynamic_is_asked(monkeypatch):
+    """dynamic=True made every width symbolic, so the kernels divided each element's index by a runtime
+    width; automatic dynamic shapes (None) make only the dimensions that change between calls symbolic."""
+    seen = []
+
+    def record(fn, **kwargs):
+        seen.append(kwargs.get("dynamic", "unset"))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    monkeypatch.setattr(mixed, "_BROKEN", [])
+    monkeypatch.setattr(mixed, "COMPILE_DEVICES", ("cpu",))
+    monkeypatch.delenv("EAGLE3_TRAIN_PLAIN_AUTOCAST", raising=False)
+    kernel = mixed.compiled_or_eager(mixed._swiglu_forward)
+    x = torch.randn(3, 8)
+    monkeypatch.delenv("EAGLE3_TRAIN_COMPILE_DYNAMIC", raising=False)
+    kernel(x)
+    kernel(x)
+    monkeypatch.setenv("EAGLE3_TRAIN_COMPILE_DYNAMIC", "all")
+    kernel(x)
+    assert seen == [None, True]  # one compile per mode, kept for later calls

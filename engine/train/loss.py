@@ -24,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.train.attention import DEFAULT_BACKEND
 from engine.train.data import Batch, TeacherOut
-from engine.train.mixed import accumulate_fp32, autocast_dtype, compiled_or_eager, no_autocast, step_weights
+from engine.train.mixed import (accumulate_fp32, autocast_dtype, compile_dynamic, compiled_or_eager, no_autocast,
+                                step_weights)
 from engine.train.model import Eagle3Drafter, shift_left
 
 STAT_FIELDS = ("loss_sum", "positions", "correct", "scored", "accept_sum", "entropy_sum")
@@ -120,9 +121,13 @@ def _chunk_logits_pass(z, w_c, q, q_sum, w_rows, scale, target, acc_mask, acc: t
     return sums, p.mul_((q_sum * scale)[:, None]).addcmul_(q, scale[:, None], value=-1).to(cdtype)
 
 
-@functools.lru_cache(maxsize=1)
 def _compiled_chunk_pass():
-    compiled = torch.compile(_chunk_logits_pass, dynamic=True)
+    return _compiled_chunk_pass_for(compile_dynamic())
+
+
+@functools.lru_cache(maxsize=2)
+def _compiled_chunk_pass_for(dynamic: bool | None):
+    compiled = torch.compile(_chunk_logits_pass, dynamic=dynamic)
 
     def run(*args):
         # A machine without a working compiler (no Triton, no C compiler) trains eagerly, the same

@@ -67,20 +67,29 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def compile_dynamic() -> bool | None:
+    """torch.compile's `dynamic` for compiled_or_eager: None (automatic: the first record length compiles
+    with constant shapes, a second makes only the dimensions that changed symbolic, so the model's widths
+    stay constants in the kernels' index arithmetic); EAGLE3_TRAIN_COMPILE_DYNAMIC=all makes every
+    dimension symbolic from the start (the previous behaviour, for A/B measurements)."""
+    return True if os.environ.get("EAGLE3_TRAIN_COMPILE_DYNAMIC", "").strip() == "all" else None
+
+
 def compiled_or_eager(fn: Callable) -> Callable:
-    """fn compiled (dynamic shapes, at the first CUDA call) for CUDA tensors; fn itself on the CPU or once
+    """fn compiled (at the first CUDA call; shapes as compile_dynamic says) for CUDA tensors; fn itself on the CPU or once
     compiling has failed (a machine without Triton or a C compiler must still train, at eager speed).
     Under autograd the compiled fn has a compiled backward too (engine.train.model's RoPE)."""
-    compiled: list[Callable] = []
+    compiled: dict[bool | None, Callable] = {}
 
     @functools.wraps(fn)
     def run(*args):
         if _BROKEN or args[0].device.type not in COMPILE_DEVICES or plain_autocast():
             return fn(*args)
         try:
-            if not compiled:
-                compiled.append(torch.compile(fn, dynamic=True))
-            return compiled[0](*args)
+            dynamic = compile_dynamic()
+            if dynamic not in compiled:
+                compiled[dynamic] = torch.compile(fn, dynamic=dynamic)
+            return compiled[dynamic](*args)
         except Exception as exc:  # torch.compile raises backend-specific types
             _BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
             print(f"note: compiled {fn.__name__} unavailable ({_BROKEN[0]}); training continues eagerly",
