@@ -185,3 +185,49 @@ def test_writer_setting_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE3_CAPTURE_WRITER", "fork")
     with pytest.raises(CaptureConfigError, match="EAGLE3_CAPTURE_WRITER='fork' is not one of process, threads"):
         make_capture_hook({"sglang": "0.5.23"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copies_run_beside_the_forward_and_keep_their_sources_alive(tmp_path):
+    """The D2H copy waits for the forward's stream but the forward's stream never waits for it, and
+    SGLang's allocator does not hand the captured tensors' memory to the next batch before the copy has
+    read it. The hook's copy stream is held up on purpose so that each race would be lost."""
+    import time
+
+    from engine.sglang.hook import _copy_stream
+
+    spool = tmp_path / "spool"
+    hook = CaptureHook(str(spool), LAYERS, rank_fn=lambda: 0)
+    module = LogitsProcessor()
+    module.register_forward_hook(hook)
+    length = 1 << 16
+    side = _copy_stream(torch.device("cuda", torch.cuda.current_device()))
+    a, b = full_states(7, length), full_states(8, length)
+
+    # 1. The states are produced late on the forward's stream: a copy that did not wait would read garbage.
+    staged = [t.to("cuda") for t in a]
+    torch.cuda._sleep(1 << 30)
+    gpu = [t.clone() for t in staged]
+    module(gpu[0], gpu[2], None, Batch(ForwardMode.EXTEND, ["xa"], [length], [0]), list(gpu[1].split(H, dim=-1)))
+    assert hook.flush(30)
+
+    # 2. The copy is held up on its own stream: the forward's stream runs on, and the next "batch" (same
+    # sizes, so a freed block would be reused at once) does not overwrite what the copy has yet to read.
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1 << 31)
+    gpu = [t.to("cuda") for t in b]
+    module(gpu[0], gpu[2], None, Batch(ForwardMode.EXTEND, ["xb"], [length], [0]), list(gpu[1].split(H, dim=-1)))
+    del gpu
+    junk = [torch.full_like(t, 3, device="cuda") for t in b]
+    marker = torch.cuda.Event()
+    marker.record()
+    marker.synchronize()
+    time.sleep(0.05)
+    assert not side.query() and hook.written == 1  # xa only: xb's copy still waits on the side stream
+    assert hook.flush(30)
+    hook.close()
+    assert hook.errors == [] and hook.written == 2
+    for rid, (ids, aux, final) in {"xa": a, "xb": b}.items():
+        cap = assemble(spool, rid, expected_len=length, expected_input_ids=ids.tolist())
+        assert torch.equal(cap.aux_hidden_state, aux) and torch.equal(cap.hidden_state, final)
+    del junk, staged

@@ -18,8 +18,12 @@ Ids are validated as file names before use. Rows are sliced per request by
 extend_seq_lens_cpu; extend_prefix_lens_cpu is the segment's start position, so chunked
 prefill leaves one segment per chunk that `assemble` stitches.
 
-The forward never waits on disk: the batch's captured rows are copied asynchronously into pinned
-host memory, a CUDA event marks the copy, and a daemon thread waits on the event and hands the batch
+The forward never waits on disk, nor on the copy: the batch's captured rows are copied into pinned
+host memory on a side stream that first waits for the forward's stream, so the next forward's kernels
+run while the copy engine drains the states (on the forward's own stream the copy would hold the next
+batch back). The source tensors are recorded on the side stream, so SGLang's allocator does not reuse
+their memory before the copy has read it; nothing writes them in place after the logits processor. A
+CUDA event on the side stream marks the copy, and a daemon thread waits on the event and hands the batch
 to a writer *process* (engine.capture.spool_process, the local server's design): here the hook shares
 the GIL with SGLang's scheduler, and a writer thread's system calls would take it from the thread that
 launches the model. One copy into shared memory and one pipe message per batch; the child writes the
@@ -89,13 +93,12 @@ def _mode_name(mode: Any) -> str:
     return str(getattr(mode, "name", mode))
 
 
-def _pack_aux(aux: Any) -> torch.Tensor | None:
-    if aux is None:
-        return None
+def _aux_parts(aux: Any) -> list[torch.Tensor] | None:
+    """SGLang's aux states as a list of tensors to concatenate on the last dim; None if absent."""
     if isinstance(aux, torch.Tensor):
-        return aux
+        return [aux]
     if isinstance(aux, (list, tuple)) and aux and all(isinstance(a, torch.Tensor) for a in aux):
-        return torch.cat(list(aux), dim=-1)
+        return list(aux)
     return None
 
 
@@ -105,6 +108,43 @@ def _to_host(src: torch.Tensor) -> torch.Tensor:
         dst.copy_(src, non_blocking=True)
         return dst
     return src.detach().clone()
+
+
+_COPY_STREAMS: dict[torch.device, Any] = {}
+
+
+def _copy_stream(device: torch.device) -> Any:
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def _batch_to_host(input_ids: torch.Tensor, aux: list[torch.Tensor], hidden: torch.Tensor,
+                   spans: list[tuple[int, int]], total: int) -> tuple[list[torch.Tensor], Any]:
+    """Host copies of the kept rows of ids, packed aux and final states, and the CUDA event that marks
+    them done (None for CPU tensors). On CUDA everything, the aux concatenation included, runs on the
+    side stream; see the module docstring."""
+    sources = [input_ids, *aux, hidden]
+
+    def copies() -> list[torch.Tensor]:
+        packed = aux[0] if len(aux) == 1 else torch.cat(aux, dim=-1)
+        return [_to_host(_kept_rows(t, spans, total)) for t in (input_ids, packed, hidden)]
+
+    if not hidden.is_cuda:
+        return copies(), None
+    side = _copy_stream(hidden.device)
+    side.wait_stream(torch.cuda.current_stream(hidden.device))
+    with torch.cuda.stream(side):
+        for tensor in sources:
+            if tensor.is_cuda:
+                tensor.record_stream(side)
+        host = copies()
+        # Blocking: the writer sleeps until the copies land instead of spinning a core (CUDA
+        # spin-waits by default) that SGLang's scheduler, a busy Python thread, needs.
+        event = torch.cuda.Event(blocking=True)
+        event.record(side)
+    return host, event
 
 
 def _kept_rows(tensor: torch.Tensor, spans: list[tuple[int, int]], total: int) -> torch.Tensor:
@@ -187,7 +227,7 @@ class CaptureHook:
         if rids is None or seq_lens is None or prefix_lens is None:
             self._warn_once("batch", "ForwardBatch lacks rids/extend_seq_lens_cpu/extend_prefix_lens_cpu")
             return
-        aux = _pack_aux(inputs[4] if len(inputs) > 4 else None)
+        aux = _aux_parts(inputs[4] if len(inputs) > 4 else None)
         if aux is None:
             self._warn_once("aux", "no aux hidden states reached the logits processor: was the server started "
                                    "with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3?")
@@ -206,13 +246,7 @@ class CaptureHook:
         if not segments:
             return
         # One host copy a tensor for the whole batch (the rows kept, packed), not one per request.
-        ids, aux_rows, final = (_to_host(_kept_rows(t, spans, offset)) for t in (input_ids, aux, hidden))
-        event = None
-        if hidden.is_cuda:
-            # Blocking: the writer sleeps until the copies land instead of spinning a core (CUDA
-            # spin-waits by default) that SGLang's scheduler, a busy Python thread, needs.
-            event = torch.cuda.Event(blocking=True)
-            event.record()
+        (ids, aux_rows, final), event = _batch_to_host(input_ids, aux, hidden, spans, offset)
         with self._idle:
             self._outstanding += 1
         self._queue.put(_Pending(event, segments, ids, aux_rows, final))
