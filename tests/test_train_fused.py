@@ -217,7 +217,7 @@ def test_compiled_chunk_pass_traces_to_the_same_result(monkeypatch):
     from engine.train import loss as loss_mod
 
     compiled = torch.compile(loss_mod._chunk_logits_pass, dynamic=True, backend="aot_eager")
-    monkeypatch.setattr(loss_mod, "_compiled_chunk_pass", lambda: compiled)
+    monkeypatch.setattr(loss_mod, "_COMPILED_CHUNK_PASS", compiled)
     assert_compiled_head_matches_eager(seed=11, rtol=1e-9, atol=1e-11)
 
 
@@ -243,6 +243,7 @@ def test_a_broken_compiler_falls_back_to_the_eager_head(monkeypatch, capsys):
     """A machine whose torch.compile cannot build kernels (simulated: the compiled function raises, as
     inductor does without a C compiler) still trains, with the eager function and the same result."""
     from engine.train import loss as loss_mod
+    from engine.train import mixed
 
     def broken(fn, **kwargs):
         def call(*args):
@@ -250,14 +251,12 @@ def test_a_broken_compiler_falls_back_to_the_eager_head(monkeypatch, capsys):
         return call
 
     monkeypatch.setattr(torch, "compile", broken)
-    monkeypatch.setattr(loss_mod, "_COMPILE_BROKEN", [])
-    loss_mod._compiled_chunk_pass_for.cache_clear()
-    try:
-        assert_compiled_head_matches_eager(seed=12, rtol=1e-12, atol=1e-14)
-        assert "compiled loss head unavailable (RuntimeError: InductorError" in capsys.readouterr().err
-        assert len(loss_mod._COMPILE_BROKEN) == 1  # reported once, then eager without retrying
-    finally:
-        loss_mod._compiled_chunk_pass_for.cache_clear()
+    monkeypatch.setattr(mixed, "_BROKEN", [])
+    monkeypatch.setattr(loss_mod, "_COMPILED_CHUNK_PASS", mixed.compiled_or_eager(loss_mod._chunk_logits_pass,
+                                                                                  anywhere=True))
+    assert_compiled_head_matches_eager(seed=12, rtol=1e-12, atol=1e-14)
+    assert "compiled _chunk_logits_pass unavailable (RuntimeError: InductorError" in capsys.readouterr().err
+    assert len(mixed._BROKEN) == 1  # reported once, then eager without retrying
 
 
 def test_compiled_head_is_on_by_default_on_cuda_only(monkeypatch):

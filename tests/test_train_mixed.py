@@ -218,7 +218,7 @@ def test_compiled_kernels_trace_to_the_eager_result(monkeypatch):
     monkeypatch.setattr(model_mod, "rope_qk", mixed.compiled_or_eager(model_mod._rope_qk))
     monkeypatch.setattr(loss_mod, "_COMPILED_HEAD_NORM", (mixed.compiled_or_eager(loss_mod._head_norm_forward),
                                                           mixed.compiled_or_eager(loss_mod._head_norm_backward)))
-    monkeypatch.setattr(loss_mod, "_compiled_chunk_pass", lambda: loss_mod._chunk_logits_pass)
+    monkeypatch.setattr(loss_mod, "_COMPILED_CHUNK_PASS", loss_mod._chunk_logits_pass)
     model = tiny_drafter()
     got_loss, got = step(model, True, False, monkeypatch, compile_head=True)
     assert sorted(set(calls)) == ["_head_norm_backward", "_head_norm_forward", "_rms_backward", "_rms_forward",

@@ -14,7 +14,6 @@ Two implementations of the head loss (final norm -> lm_head -> soft cross-entrop
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -24,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.train.attention import DEFAULT_BACKEND
 from engine.train.data import Batch, TeacherOut
-from engine.train.mixed import (accumulate_fp32, autocast_dtype, compile_dynamic, compiled_or_eager, no_autocast,
+from engine.train.mixed import (accumulate_fp32, autocast_dtype, compiled_or_eager, no_autocast,
                                 step_weights)
 from engine.train.model import Eagle3Drafter, shift_left
 
@@ -121,37 +120,9 @@ def _chunk_logits_pass(z, w_c, q, q_sum, w_rows, scale, target, acc_mask, acc: t
     return sums, p.mul_((q_sum * scale)[:, None]).addcmul_(q, scale[:, None], value=-1).to(cdtype)
 
 
-def _compiled_chunk_pass():
-    return _compiled_chunk_pass_for(compile_dynamic())
-
-
-@functools.lru_cache(maxsize=2)
-def _compiled_chunk_pass_for(dynamic: bool | None):
-    compiled = torch.compile(_chunk_logits_pass, dynamic=dynamic)
-
-    def run(*args):
-        # A machine without a working compiler (no Triton, no C compiler) trains eagerly, the same
-        # function: it must never stop a training run (its gain: bench/RESULTS.md, Drafter training).
-        if _COMPILE_BROKEN:
-            return _chunk_logits_pass(*args)
-        try:
-            return compiled(*args)
-        except Exception as exc:  # torch.compile raises backend-specific types
-            _disable_compile(exc)
-            return _chunk_logits_pass(*args)
-
-    return run
-
-
-_COMPILE_BROKEN: list[str] = []
-
-
-def _disable_compile(exc: Exception) -> None:
-    import sys
-
-    _COMPILE_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
-    print(f"note: compiled loss head unavailable ({_COMPILE_BROKEN[-1]}); training continues eagerly",
-          file=sys.stderr, flush=True)
+# A machine without a working compiler (no Triton, no C compiler) trains eagerly with the same function:
+# the compiled head must never stop a training run (its gain: bench/RESULTS.md, Drafter training).
+_COMPILED_CHUNK_PASS = compiled_or_eager(_chunk_logits_pass, anywhere=True)
 
 
 def _head_norm_forward(x, norm_w, eps: float, cdtype: torch.dtype, acc: torch.dtype):
@@ -185,7 +156,7 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
         loss = -w * sum_v q_v logp_v;   dloss/dlogits = w * (p * sum(q) - q)   (q need not sum to 1 in bf16)
     """
     acc = _acc_dtype(cdtype)
-    chunk_pass = _compiled_chunk_pass() if compiled else _chunk_logits_pass
+    chunk_pass = _COMPILED_CHUNK_PASS if compiled else _chunk_logits_pass
     norm_forward, norm_backward = _COMPILED_HEAD_NORM if compiled else (_head_norm_forward, _head_norm_backward)
     w_c = head_w.to(cdtype)
     g_head = torch.zeros_like(head_w) if want_grads else None

@@ -75,15 +75,17 @@ def compile_dynamic() -> bool | None:
     return True if os.environ.get("EAGLE3_TRAIN_COMPILE_DYNAMIC", "").strip() == "all" else None
 
 
-def compiled_or_eager(fn: Callable) -> Callable:
+def compiled_or_eager(fn: Callable, anywhere: bool = False) -> Callable:
     """fn compiled (at the first CUDA call; shapes as compile_dynamic says) for CUDA tensors; fn itself on the CPU or once
     compiling has failed (a machine without Triton or a C compiler must still train, at eager speed).
-    Under autograd the compiled fn has a compiled backward too (engine.train.model's RoPE)."""
+    Under autograd the compiled fn has a compiled backward too (engine.train.model's RoPE).
+    anywhere: compile on every device and under any autocast: the caller chose to (the loss head's
+    compile_head)."""
     compiled: dict[bool | None, Callable] = {}
 
     @functools.wraps(fn)
     def run(*args):
-        if _BROKEN or args[0].device.type not in COMPILE_DEVICES or plain_autocast():
+        if _BROKEN or not (anywhere or args[0].device.type in COMPILE_DEVICES and not plain_autocast()):
             return fn(*args)
         try:
             dynamic = compile_dynamic()
