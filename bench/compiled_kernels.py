@@ -18,9 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.train import mixed  # noqa: E402
+from engine.train.loss import _chunk_logits_pass, fused_chunk_rows  # noqa: E402
 from engine.train.model import _rope_qk, rope_cos_sin  # noqa: E402
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, DRAFT_VOCAB = 4096, 14336, 32, 8, 128, 32000
 
 
 def _time_ms(fn, iters: int) -> float:
@@ -65,13 +66,24 @@ def cases(t: int) -> dict:
         cos, sin = rope_cos_sin(torch.arange(n, device="cuda"), HEAD_DIM, 500000.0, bf)
         return q, k, cos, sin
 
+    def head_chunk_in(n):  # one chunk of the loss head: its rows do not depend on the record length
+        rows = fused_chunk_rows(DRAFT_VOCAB)
+        q = torch.softmax(torch.randn(rows, DRAFT_VOCAB, device="cuda"), -1).to(bf)
+        ones = torch.ones(rows, device="cuda")
+        return (torch.randn(rows, HIDDEN, device="cuda", dtype=bf), torch.randn(DRAFT_VOCAB, HIDDEN, device="cuda",
+                dtype=bf) * 0.02, q, q.float().sum(-1), ones, ones / rows,
+                torch.randint(0, DRAFT_VOCAB, (rows,), device="cuda"), ones.bool(), torch.float32, bf, True)
+
     i, h, qk = INTERMEDIATE, HIDDEN, (HEADS + KV_HEADS) * HEAD_DIM  # bf16 elements: 2 bytes each
+    v, chunk = DRAFT_VOCAB, fused_chunk_rows(DRAFT_VOCAB)
     return {
         "swiglu forward": (mixed._swiglu_forward, swiglu_in, t * 2 * (2 * i + i)),
         "swiglu backward": (mixed._swiglu_backward, swiglu_back_in, t * 2 * (i + 2 * i + 2 * i)),
         "rms_norm forward": (mixed._rms_forward, rms_in, t * (2 * 2 * h + 4)),
         "rms_norm backward": (mixed._rms_backward, rms_back_in, t * (3 * 2 * h + 4) + 4 * h),
         "rope q,k": (_rope_qk, rope_in, t * 2 * 2 * qk),
+        # The logits GEMM is inside it; bytes: logits written and read back, q read, the gradient written.
+        "loss head chunk": (_chunk_logits_pass, head_chunk_in, chunk * v * 2 * 4),
     }
 
 
