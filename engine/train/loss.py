@@ -80,10 +80,10 @@ class StepRows(NamedTuple):
     acc_mask: torch.Tensor  # [rows] rows scored for accuracy (a superset of pos_mask)
     q_sum: torch.Tensor  # [rows] sum of the teacher row (not exactly 1 in bf16)
     entropy: torch.Tensor  # [rows] teacher entropy
-    kept: torch.Tensor  # int64 [n]: the rows of acc_mask, in order (kept_rows: found without a device read)
+    chunks: tuple  # the rows of acc_mask in chunks (slice or device indices: row_chunks, no device read)
 
 
-TENSOR_FIELDS = StepRows._fields[1:]
+TENSOR_FIELDS = StepRows._fields[1:-1]
 
 
 @torch.no_grad()
@@ -148,7 +148,7 @@ _COMPILED_HEAD_NORM = (compiled_or_eager(_head_norm_forward), compiled_or_eager(
 
 
 
-def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, want_grads: bool,
+def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, want_grads: bool,
                compiled: bool = False):
     """Loss total, stats [len(steps), fields] and (when want_grads) the gradients of norm_w, head_w and
     each step's h for a unit upstream gradient. Per row (the exact derivatives of the reference):
@@ -168,17 +168,15 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
         h = step.h
         positions = step.pos_mask.sum().to(acc)
         step_weight = (STEP_DECAY ** step.k) / positions.clamp(min=1)  # d total / d loss_sum of this step
-        keep = step.kept  # rows outside the accuracy mask add nothing anywhere
-        dense = keep.numel() == h.shape[0]
-        g_h = (torch.empty_like(h) if dense else torch.zeros_like(h)) if want_grads else None
+        # Rows outside the accuracy mask add nothing anywhere: only step.chunks are read.
+        every_row = sum(_chunk_len(c) for c in step.chunks) == h.shape[0]
+        g_h = (torch.empty_like(h) if every_row else torch.zeros_like(h)) if want_grads else None
         sums = torch.zeros(4, dtype=acc, device=h.device)  # loss, correct, accept, entropy
-        for start in range(0, keep.numel(), chunk_rows):
-            if dense:
-                rows = slice(start, start + chunk_rows)
-                pick = (lambda t, rows=rows: t[rows])
+        for chunk in step.chunks:
+            if isinstance(chunk, slice):
+                pick = (lambda t, rows=chunk: t[rows])
             else:
-                idx = keep[start:start + chunk_rows]
-                pick = (lambda t, idx=idx: t.index_select(0, idx))
+                pick = (lambda t, idx=chunk: t.index_select(0, idx))
             q, q_sum, w_rows = pick(step.probs), pick(step.q_sum), pick(step.pos_mask).to(acc)
             x = pick(h)
             z, y, r = norm_forward(x, norm_w, eps, cdtype, acc)
@@ -196,34 +194,59 @@ def _head_pass(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows, w
             del g_logits
             g_x, g_n = norm_backward(g_z, x, y, r, norm_w)
             g_norm += g_n.to(g_norm.dtype)
-            if dense:
-                g_h[rows] = g_x
+            if isinstance(chunk, slice):
+                g_h[chunk] = g_x
             else:
-                g_h.index_copy_(0, idx, g_x)
+                g_h.index_copy_(0, chunk, g_x)
         total = total + (STEP_DECAY ** step.k) * sums[0] / positions.clamp(min=1)
         stats.append(torch.stack([sums[0], positions, sums[1], step.acc_mask.sum().to(acc), sums[2], sums[3]]))
         g_hs.append(g_h)
     return total, torch.stack(stats), (g_norm, g_head, g_hs)
 
 
-def kept_rows(teacher: TeacherOut, steps: int, device: torch.device) -> list[torch.Tensor]:
-    """For each TTT step k with rows to score, the indices of its rows in the accuracy mask (keep[:, k+1:]
-    flattened), on `device`. Picked on the host from teacher.keep_host (or one read of teacher.keep): a
-    device-side nonzero per step would make the host wait for the GPU to drain 7 times a training step."""
+RowChunk = slice | torch.Tensor
+
+
+def _chunk_len(chunk: RowChunk) -> int:
+    return chunk.stop - chunk.start if isinstance(chunk, slice) else chunk.numel()
+
+
+def row_chunks(teacher: TeacherOut, steps: int, device: torch.device, chunk_rows: int) -> list[tuple[RowChunk, ...]]:
+    """For each TTT step k with rows to score, the rows of its accuracy mask (keep[:, k+1:] flattened) in
+    chunks of at most chunk_rows: a slice where a chunk's rows run without a gap (a view: the usual case, a
+    mask that drops a prompt and the record's end), else their indices on `device`. Picked on the host from
+    teacher.keep_host (or one read of teacher.keep): a device-side nonzero per step would make the host
+    wait for the GPU to drain 7 times a training step."""
     keep = teacher.keep_host if teacher.keep_host is not None else teacher.keep.cpu()
-    host = [keep[:, k + 1:].reshape(-1).nonzero().squeeze(1) for k in range(min(steps, keep.shape[1] - 1))]
-    flat = torch.cat(host) if host else torch.empty(0, dtype=torch.int64)
-    if device.type == "cuda":  # one copy for all steps, queued behind the work in flight
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    else:
-        flat = flat.to(device)
-    return list(flat.split([h.numel() for h in host]))
+    plans: list[list[slice | int]] = []
+    gathered: list[torch.Tensor] = []  # the chunks with gaps, copied to the device at once
+    for k in range(min(steps, keep.shape[1] - 1)):
+        rows = keep[:, k + 1:].reshape(-1).nonzero().squeeze(1)
+        plan: list[slice | int] = []
+        for start in range(0, rows.numel(), chunk_rows):
+            idx = rows[start:start + chunk_rows]
+            first, last = int(idx[0]), int(idx[-1])
+            if last - first + 1 == idx.numel():
+                plan.append(slice(first, last + 1))
+            else:
+                plan.append(len(gathered))
+                gathered.append(idx)
+        plans.append(plan)
+    on_device: list[torch.Tensor] = []
+    if gathered:
+        flat = torch.cat(gathered)
+        if device.type == "cuda":  # one copy for all steps, queued behind the work in flight
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = flat.to(device)
+        on_device = list(flat.split([g.numel() for g in gathered]))
+    return [tuple(c if isinstance(c, slice) else on_device[c] for c in plan) for plan in plans]
 
 
-def _unflatten(ks: tuple[int, ...], tensors) -> list[StepRows]:
+def _unflatten(ks: tuple[int, ...], chunks: tuple, tensors) -> list[StepRows]:
     n = len(ks)
     fields = [tensors[i * n:(i + 1) * n] for i in range(len(TENSOR_FIELDS))]
-    return [StepRows(k, *(f[j] for f in fields)) for j, k in enumerate(ks)]
+    return [StepRows._make((k, *(f[j] for f in fields), chunks[j])) for j, k in enumerate(ks)]
 
 
 class _FusedHeadLoss(torch.autograd.Function):
@@ -231,10 +254,10 @@ class _FusedHeadLoss(torch.autograd.Function):
     upstream gradient (in place: it can run once, retain_graph is not supported)."""
 
     @staticmethod
-    def forward(ctx, norm_w, head_w, eps, cdtype, chunk_rows, compiled, ks, *tensors):
-        steps = _unflatten(ks, tensors)
+    def forward(ctx, norm_w, head_w, eps, cdtype, compiled, ks, chunks, *tensors):
+        steps = _unflatten(ks, chunks, tensors)
         with no_autocast(head_w.device.type):  # dtypes are chosen explicitly
-            total, stats, grads = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, True, compiled)
+            total, stats, grads = _head_pass(steps, norm_w, eps, head_w, cdtype, True, compiled)
         ctx.grads = grads
         ctx.n_inputs = 7 + len(tensors)
         ctx.mark_non_differentiable(stats)
@@ -254,15 +277,15 @@ class _FusedHeadLoss(torch.autograd.Function):
         return tuple(grads + [None] * (ctx.n_inputs - len(grads)))
 
 
-def fused_head_loss(steps: list[StepRows], norm_w, eps, head_w, cdtype, chunk_rows: int, compiled: bool = False):
+def fused_head_loss(steps: list[StepRows], norm_w, eps, head_w, cdtype, compiled: bool = False):
     """(total loss, stats [len(steps), fields]) over the given TTT steps; see _head_pass."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (norm_w, head_w, *(s.h for s in steps)))
     if needs_grad:
         ks = tuple(s.k for s in steps)
         tensors = [getattr(s, f) for f in TENSOR_FIELDS for s in steps]
-        return _FusedHeadLoss.apply(norm_w, head_w, eps, cdtype, chunk_rows, compiled, ks, *tensors)
+        return _FusedHeadLoss.apply(norm_w, head_w, eps, cdtype, compiled, ks, tuple(s.chunks for s in steps), *tensors)
     with torch.no_grad(), no_autocast(head_w.device.type):
-        total, stats, _ = _head_pass(steps, norm_w, eps, head_w, cdtype, chunk_rows, False, compiled)
+        total, stats, _ = _head_pass(steps, norm_w, eps, head_w, cdtype, False, compiled)
     return total, stats
 
 
@@ -296,7 +319,7 @@ class TTTModel(nn.Module):
             cdtype = head_compute_dtype(hidden.device, hidden.dtype, d.lm_head.weight.dtype)
             q_sum, entropy = teacher_row_stats(teacher.probs.reshape(b * t, -1), _acc_dtype(cdtype), self.chunk_rows)
             q_sum, entropy = q_sum.view(b, t), entropy.view(b, t)
-            kept = kept_rows(teacher, self.ttt_steps, hidden.device)  # before the steps are queued: a short wait
+            chunks = row_chunks(teacher, self.ttt_steps, hidden.device, self.chunk_rows)  # before the steps are queued
         cache: list = []
         scored = []  # (step, rows, probs, target, pos_mask, acc_mask) of the steps with positions to score
         for k in range(self.ttt_steps):
@@ -313,9 +336,9 @@ class TTTModel(nn.Module):
             return hidden.new_zeros((), dtype=torch.float32), stats
         if self.fused_loss:
             steps = [StepRows(k, rows, probs, target, pos_mask, acc_mask, q_sum[:, k + 1:].reshape(-1),
-                              entropy[:, k + 1:].reshape(-1), kept[k])
+                              entropy[:, k + 1:].reshape(-1), chunks[k])
                      for k, rows, probs, target, pos_mask, acc_mask in scored]
-            total, got = fused_head_loss(steps, d.norm.weight, d.norm.eps, d.lm_head.weight, cdtype, self.chunk_rows,
+            total, got = fused_head_loss(steps, d.norm.weight, d.norm.eps, d.lm_head.weight, cdtype,
                                          self.compile_head)
         else:
             total, got = self._checkpointed(scored)
