@@ -213,6 +213,10 @@ def test_cuda_copies_run_beside_the_forward_and_keep_their_sources_alive(tmp_pat
 
     # 2. The copy is held up on its own stream: the forward's stream runs on, and the next "batch" (same
     # sizes, so a freed block would be reused at once) does not overwrite what the copy has yet to read.
+    # The fill kernel is loaded first: CUDA loads a kernel's module at its first launch, and that load
+    # waits for the whole device (a server has loaded its kernels long before it captures).
+    [torch.full_like(t, 3, device="cuda") for t in b]
+    torch.cuda.synchronize()
     with torch.cuda.stream(side):
         torch.cuda._sleep(1 << 31)
     gpu = [t.to("cuda") for t in b]
