@@ -32,7 +32,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -129,22 +128,8 @@ def build_specforge(sf: dict[str, Any], cfg, t: int, ttt: int, attention: str, d
     return one_step, close
 
 
-def time_steps(one_step: Callable[[], torch.Tensor], device: torch.device, iters: int) -> tuple[float, float]:
-    """(first loss, seconds per step) after two warm-up steps (compiles, allocator)."""
-    first = float(one_step())
-    one_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        one_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return first, (time.perf_counter() - start) / iters
-
-
 def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.device, iters: int, profile: bool) -> dict:
-    from bench.training import model_flops, profile_into
+    from bench.training import model_flops, profile_into, step_times, time_steps
 
     gpu = device.type == "cuda"
     torch.manual_seed(0)
@@ -155,8 +140,9 @@ def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.devic
     del head
     if gpu:
         torch.cuda.reset_peak_memory_stats(device)
-    first, seconds = time_steps(one_step, device, iters)
-    result = {"side": "specforge", "tokens": t, "step_s": seconds, "tokens_per_s": t / seconds,
+    first, times = time_steps(one_step, device, iters)
+    seconds = times["step_s"]
+    result = {"side": "specforge", "tokens": t, **step_times(times), "tokens_per_s": t / seconds,
               "tflops": model_flops(cfg, t, ttt) / seconds / 1e12, "first_loss": first,
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:
@@ -215,6 +201,8 @@ def side_name(text: str) -> str:
 
 def describe(r: dict, peak_tflops: float | None) -> str:
     line = f"T={r['tokens']:6d} {r['side']:22s} {r['tokens_per_s']:9.0f} tok/s ({r['step_s'] * 1e3:7.1f} ms/step)"
+    if "step_median_s" in r:  # a mean well above the median: one slow step, not the steady state
+        line += f"  steps median {r['step_median_s'] * 1e3:.1f} max {r['step_max_s'] * 1e3:.1f} ms"
     line += f"  peak {r['peak_gib']:5.1f} GiB" if r["peak_gib"] is not None else "  peak n/a (CPU)"
     if peak_tflops:
         line += f"  {r['tflops']:6.1f} TFLOP/s ({100 * r['tflops'] / peak_tflops:4.1f}% of matmul)"

@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -255,24 +255,41 @@ def print_timeline(timeline: dict) -> None:
         print(f"      idle {site['ms']:7.2f} ms in {site['gaps']:4d} gaps before  {site['kernel']}")
 
 
+def time_steps(one_step: Callable[[], torch.Tensor], device: torch.device, iters: int) -> tuple[float, dict]:
+    """(first loss, timings) of `iters` steps after two warm-up steps (compiles, allocator; same seed, so
+    sides compare). Each step ends in a host read of its loss, so one step's wall time is its own: the
+    median shows the steady state where the mean can carry one slow step (a late recompile, a GC pause)."""
+    first = float(one_step())
+    one_step()
+    _sync(device)
+    walls = []
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(iters):
+        before = time.perf_counter()
+        one_step()
+        walls.append(time.perf_counter() - before)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    return first, {"step_s": seconds / iters, "cpu_s": (time.process_time() - cpu_start) / iters,  # all threads
+                   "step_walls_s": walls}
+
+
+def step_times(times: dict) -> dict:
+    walls = sorted(times["step_walls_s"])
+    return {"step_s": times["step_s"], "cpu_s": times["cpu_s"], "step_median_s": walls[len(walls) // 2],
+            "step_max_s": walls[-1]}
+
+
 def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, variant: Variant,
                device: torch.device, chunk_rows: int | None, profile: bool, records: int = 1) -> dict:
     gpu = device.type == "cuda"
     one_step, close = build(cfg, t, steps, backend, variant, device, chunk_rows, records)
     if gpu:  # the peak from here on: resident weights, optimizer state and the steps themselves
         torch.cuda.reset_peak_memory_stats(device)
-    first_loss = float(one_step())  # compile + allocator warm-up; same seed, so variants compare
-    one_step()
-    _sync(device)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(iters):
-        one_step()
-    _sync(device)
-    seconds = (time.perf_counter() - start) / iters
-    cpu_seconds = (time.process_time() - cpu_start) / iters  # all threads: the step's, autograd's, the loader's
-    result = {"tokens": t, "records": records, "variant": asdict(variant), "step_s": seconds, "cpu_s": cpu_seconds,
-              "tokens_per_s": records * t / seconds, "tflops": records * model_flops(cfg, t, steps) / seconds / 1e12, "first_loss": first_loss,
-              "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
+    first_loss, times = time_steps(one_step, device, iters)
+    result = {"tokens": t, "records": records, "variant": asdict(variant), **step_times(times),
+              "tokens_per_s": records * t / times["step_s"], "tflops": records * model_flops(cfg, t, steps) / times["step_s"] / 1e12,
+              "first_loss": first_loss, "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:
         profile_into(result, one_step, device)
     close()
@@ -295,6 +312,8 @@ def format_row(r: dict, peak_tflops: float | None, tag: str) -> str:
         line += "  peak n/a (CPU)"
     if peak_tflops:
         line += f"  {r['tflops']:6.1f} TFLOP/s ({100 * r['tflops'] / peak_tflops:4.1f}% of matmul)"
+    if "step_median_s" in r:  # a mean well above the median: one slow step, not the steady state
+        line += f"  steps median {r['step_median_s'] * 1e3:.1f} max {r['step_max_s'] * 1e3:.1f} ms"
     if "cpu_s" in r:
         line += f"  host CPU {r['cpu_s'] * 1e3:.1f} ms/step"
     return line + f"  loss0 {r['first_loss']:.5f}"
