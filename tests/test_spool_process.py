@@ -197,6 +197,82 @@ def test_a_batch_larger_than_a_slot_is_cut_into_slots_and_a_long_row_into_segmen
         process.close(timeout=10)
 
 
+def _packed(lengths, ids, aux, final):
+    """The rows of a padded batch packed back to back, as SGLang's hook holds a batch: [sum(lengths), ...]."""
+    return tuple(torch.cat([t[i, :n] for i, n in enumerate(lengths)]) for t in (ids, aux, final))
+
+
+def test_a_packed_batch_becomes_the_same_files_as_its_pieces(tmp_path):
+    """submit_packed (the SGLang hook's path) against submit on the same rows through the same slots of 16
+    tokens: segment for segment the same files, byte for byte, and one answer per segment, a segment of no
+    tokens included; a segment starting past 0 (a chunked prefill's later chunk) keeps its position."""
+    ids, aux, final = _batch(4, 40, 8, torch.bfloat16, seed=9)
+    per_token = 8 + 3 * 8 * 2 + 8 * 2
+    lengths, rids, starts = [40, 0, 17, 23], ["pa", "pz", "pc", "pd"], [0, 0, 0, 64]
+    spools = {}
+    for way in ("pieces", "packed"):
+        process = SpoolWriterProcess(tmp_path / way, LAYERS, slot_bytes=16 * per_token + 48, slots=2, threads=2)
+        process.start()
+        try:
+            replies = _Replies()
+            if way == "pieces":
+                pieces = [(rid, start, *piece[2:]) for rid, start, piece
+                          in zip(rids, starts, _pieces(rids, lengths, ids, aux, final))]
+                process.submit(pieces, replies)
+            else:
+                process.submit_packed(list(zip(rids, starts, lengths)), *_packed(lengths, ids, aux, final), replies)
+            assert replies.wait() == [None] * 4 and len(replies.got) == 1
+        finally:
+            process.close(timeout=10)
+        spools[way] = process.spool_dir
+    assert [s.start for s in list_segments(spools["packed"], "pd")][0] == 64
+    for rid in ("pa", "pc", "pd"):
+        files = {way: sorted((spool / rid).iterdir()) for way, spool in spools.items()}
+        assert [f.name for f in files["packed"]] == [f.name for f in files["pieces"]] and len(files["packed"]) >= 2
+        for a, b in zip(files["packed"], files["pieces"]):
+            assert _contents(a) == _contents(b), a.name
+    i = rids.index("pc")
+    capture = assemble(spools["packed"], "pc", expected_len=17, expected_input_ids=ids[i, :17].tolist())
+    assert torch.equal(capture.aux_hidden_state, aux[i, :17]) and torch.equal(capture.hidden_state, final[i, :17])
+    assert not (spools["packed"] / "pz").exists()
+
+
+def test_a_packed_batch_whose_rows_disagree_with_its_table_is_refused(writer):
+    ids, aux, final = _packed([4, 4], *_batch(2, 4, 8, torch.float32))
+    with pytest.raises(ValueError, match="8/8/8 rows .* segments of 9 tokens: the rows and the segment table disagree"):
+        writer.submit_packed([("a", 0, 4), ("b", 0, 5)], ids, aux, final, _Replies())
+    with pytest.raises(ValueError, match="disagree"):
+        writer.submit_packed([("a", 0, 4), ("b", 0, 4)], ids, aux[:7], final, _Replies())
+    replies = _Replies()
+    writer.submit_packed([], ids[:0], aux[:0], final[:0], replies)
+    assert replies.wait() == []
+
+
+def test_a_child_dying_between_the_slots_of_a_packed_batch_answers_every_segment_once(tmp_path):
+    ids, aux, final = _packed([16, 16], *_batch(2, 16, 8, torch.float32))
+    per_token = 8 + 3 * 8 * 4 + 8 * 4
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=1, threads=1)
+    process.start()
+    try:
+        os.kill(process.pid, signal.SIGSTOP)
+        replies = _Replies()
+        submitting = threading.Thread(target=process.submit_packed,
+                                      args=([("p0", 0, 16), ("p1", 0, 16)], ids, aux, final, replies))
+        submitting.start()
+        submitting.join(1.0)
+        assert submitting.is_alive(), "the second slot must wait: the only one is taken"
+        os.kill(process.pid, signal.SIGKILL)
+        submitting.join(30)
+        assert not submitting.is_alive()
+        errors = replies.wait()
+        assert len(replies.got) == 1 and len(errors) == 2
+        assert all(error is not None and "code -9" in error for error in errors), errors
+        with pytest.raises(SpoolProcessError, match="exited"):
+            process.submit_packed([("p2", 0, 4)], ids[:4], aux[:4], final[:4], _Replies())
+    finally:
+        process.close(timeout=10)
+
+
 def test_a_child_dying_between_slots_answers_every_piece_once(tmp_path):
     """The first slot is in the (stopped) child's hands and the second waits for a free slot when the
     child is killed: submit returns without raising, and its one answer gives every piece the exit

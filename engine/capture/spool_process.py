@@ -355,6 +355,48 @@ class SpoolWriterProcess:
                     gather.slot_done([index for index, *_ in later], [f"capture write failed: {exc}"] * len(later))
                 return
 
+    def submit_packed(self, segments: Sequence[tuple[str, int, int]], ids: torch.Tensor, aux: torch.Tensor,
+                      final: torch.Tensor, on_done: Callable[[list[str | None]], None]) -> None:
+        """`submit` for segments whose rows sit back to back in one packed batch: segment i is (rid, start
+        position, tokens) and its rows follow segment i-1's in ids [T], aux [T, k*H], final [T, H]. The same
+        slots, files and answers (one per segment), with one copy a tensor a slot and no per-segment view:
+        in a server the Python between two batches runs on threads that share the scheduler's GIL."""
+        counts = [int(n) for _, _, n in segments]
+        if any(n < 0 for n in counts) or not ids.shape[0] == aux.shape[0] == final.shape[0] == sum(counts):
+            raise ValueError(f"a packed batch of {ids.shape[0]}/{aux.shape[0]}/{final.shape[0]} rows (ids/aux/final) "
+                             f"for segments of {sum(counts)} tokens: the rows and the segment table disagree")
+        per_token = ids.element_size() + aux.shape[-1] * aux.element_size() + final.shape[-1] * final.element_size()
+        room = self.tokens_per_slot(per_token)
+        if room < 1:
+            raise ValueError(f"a shared-memory slot of {self.slot_bytes} bytes holds no token of {per_token} bytes")
+        slots: list[tuple[int, list[tuple[str, int, int, int]], list[int]]] = []  # first row, rows, segment index
+        row, free = 0, 0
+        for index, ((rid, start, _), n) in enumerate(zip(segments, counts)):
+            done = 0
+            while done < n:
+                if free == 0:
+                    slots.append((row, [], []))
+                    free = room
+                take = min(free, n - done)
+                first_row, rows, indices = slots[-1]
+                rows.append((rid, int(start) + done, row - first_row, take))
+                indices.append(index)
+                done, free, row = done + take, free - take, row + take
+        if not slots:
+            on_done([None] * len(counts))
+            return
+        gather = _Gather(len(counts), len(slots), on_done)
+        for number, (first_row, rows, indices) in enumerate(slots):
+            tokens = sum(n for *_, n in rows)
+            try:
+                self._fill(rows, indices, [[t[first_row:first_row + tokens]] for t in (ids, aux, final)], gather)
+            except SpoolProcessError as exc:
+                if number == 0:
+                    raise
+                for _, _, later in slots[number:]:
+                    gather.slot_done(later, [f"capture write failed: {exc}"] * len(later))
+                return
+
     def _plan(self, pieces: Sequence[Piece]) -> list[list[tuple[int, int, int]]]:
         """Pieces cut into slots: per slot, (piece index, first token, tokens) in packing order."""
         _, _, ids, aux, final = pieces[0]
@@ -383,15 +425,29 @@ class SpoolWriterProcess:
         return [parts for parts in plan if parts]
 
     def _hand_over(self, pieces: Sequence[Piece], parts: list[tuple[int, int, int]], gather: _Gather) -> None:
+        rows, at = [], 0
+        for index, first, n in parts:
+            rid, start, *_ = pieces[index]
+            rows.append((rid, int(start) + first, at, n))
+            at += n
+        # Rows that sit back to back (a batch of full-width rows) go in one copy, not one a row: each
+        # copy is a launch the model thread pays for.
+        sources = [_coalesced([pieces[index][2:][kind][first:first + n] for index, first, n in parts]) for kind in range(3)]
+        self._fill(rows, [index for index, *_ in parts], sources, gather)
+
+    def _fill(self, rows: list[tuple[str, int, int, int]], indices: list[int], sources: list[list[torch.Tensor]],
+              gather: _Gather) -> None:
+        """Copy one slot's rows (ids, aux and final: each a list of row blocks in order) into a free slot and
+        queue it for the child."""
         if self._dead is not None or self._arena is None:
             raise SpoolProcessError(self._dead or "the capture writer process is not running")
-        _, _, ids, aux, final = pieces[parts[0][0]]
-        tokens = sum(n for *_, n in parts)
+        tokens = sum(n for *_, n in rows)
         blocks, offset = [], 0
-        for like, shape in ((ids, (tokens,)), (aux, (tokens, aux.shape[-1])), (final, (tokens, final.shape[-1]))):
+        for kind, like in enumerate(source[0] for source in sources):
+            shape = (tokens,) if kind == 0 else (tokens, like.shape[-1])
             blocks.append(_Block(offset, shape, str(like.dtype).removeprefix("torch.")))
             offset += _padded(math.prod(shape) * like.element_size())
-        on_device = any(tensor.is_cuda for index, *_ in parts for tensor in pieces[index][2:])
+        on_device = any(block.is_cuda for source in sources for block in source)
         if on_device:
             self._register()
         slot = self._free.get()
@@ -399,27 +455,18 @@ class SpoolWriterProcess:
             self._free.put(slot)
             raise SpoolProcessError(self._dead)
         base = slot * self.slot_bytes
-        rows, at = [], 0
-        for index, first, n in parts:
-            rid, start, *_ = pieces[index]
-            rows.append((rid, int(start) + first, at, n))
-            at += n
         keep: list[torch.Tensor] = []
-        for kind, block in enumerate(blocks):
+        for block, source in zip(blocks, sources):
             view, at = _view(self._arena, base, block), 0
-            # Large copies, outside the GIL; from the device, asynchronous when the arena is pinned. Rows
-            # that sit back to back (a batch of full-width rows) go in one copy, not one a row: each
-            # copy is a launch the model thread pays for.
-            sources = [pieces[index][2:][kind][first:first + n] for index, first, n in parts]
-            for source in _coalesced(sources):
-                view[at:at + source.shape[0]].copy_(source, non_blocking=source.is_cuda)
-                at += source.shape[0]
-                keep.append(source)
+            for part in source:  # large copies, outside the GIL; from the device, asynchronous (pinned arena)
+                view[at:at + part.shape[0]].copy_(part, non_blocking=part.is_cuda)
+                at += part.shape[0]
+                keep.append(part)
         landed = None
         if on_device:
             landed = torch.cuda.Event(blocking=True)  # the sender sleeps on it instead of spinning a core
             landed.record()
-        self._outbox.put(_Filled(slot, base, rows, blocks, [i for i, *_ in parts], gather, landed, keep))
+        self._outbox.put(_Filled(slot, base, rows, blocks, indices, gather, landed, keep))
 
     def _register(self) -> None:
         """Pin the arena for CUDA once, so device-to-host copies land in it directly and

@@ -26,8 +26,9 @@ their memory before the copy has read it; nothing writes them in place after the
 CUDA event on the side stream marks the copy, and a daemon thread waits on the event and hands the batch
 to a writer *process* (engine.capture.spool_process, the local server's design): here the hook shares
 the GIL with SGLang's scheduler, and a writer thread's system calls would take it from the thread that
-launches the model. One copy into shared memory and one pipe message per batch; the child writes the
-segments; a batch larger than a slot is cut into several. Until the child is up (it starts on the
+launches the model. The packed batch goes over whole (`submit_packed`: one copy a tensor into shared
+memory and one pipe message a slot, no per-request views); the child writes the segments; a batch
+larger than a slot is cut into several. Until the child is up (it starts on the
 first captured batch), or if it dies, the thread writes the segments itself
 (`EAGLE3_CAPTURE_WRITER=threads` always, as for the local server).
 """
@@ -281,7 +282,8 @@ class CaptureHook:
         if process is None:
             return False
         try:
-            process.submit(pending.pieces(), lambda errors: self._process_done(pending, errors))
+            process.submit_packed(pending.segments, pending.ids, pending.aux, pending.final,
+                                  lambda errors: self._process_done(pending, errors))
         except SpoolProcessError as exc:
             self._process_gone(str(exc))
             return False
