@@ -199,6 +199,16 @@ def side_name(text: str) -> str:
                                      f"of {', '.join(OUR_VARIANTS)} and BACKEND one of {', '.join(OUR_BACKENDS)}")
 
 
+def describe_process() -> str:
+    """What else runs in this process (threads an import left behind, dynamo's limits): at 2,048 tokens
+    the step is close to host-bound, so another thread taking the GIL shows in its time."""
+    import threading
+
+    names = sorted(thread.name for thread in threading.enumerate() if thread is not threading.main_thread())
+    return (f"{len(names)} other Python threads {names[:8]}; dynamo recompile_limit "
+            f"{torch._dynamo.config.recompile_limit}; torch threads {torch.get_num_threads()}")
+
+
 def describe(r: dict, peak_tflops: float | None) -> str:
     line = f"T={r['tokens']:6d} {r['side']:22s} {r['tokens_per_s']:9.0f} tok/s ({r['step_s'] * 1e3:7.1f} ms/step)"
     if "step_median_s" in r:  # a mean well above the median: one slow step, not the steady state
@@ -261,6 +271,7 @@ def main() -> int:
     for t in lengths:
         pair = {}
         for side in args.sides:
+            print(f"    before {side}: {describe_process()}", flush=True)
             try:
                 if side.startswith("ours"):
                     name, _, our_attention = side.partition("@")
