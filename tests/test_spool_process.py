@@ -248,44 +248,26 @@ def test_a_packed_batch_whose_rows_disagree_with_its_table_is_refused(writer):
     assert replies.wait() == []
 
 
-def test_a_child_dying_between_the_slots_of_a_packed_batch_answers_every_segment_once(tmp_path):
-    ids, aux, final = _packed([16, 16], *_batch(2, 16, 8, torch.float32))
-    per_token = 8 + 3 * 8 * 4 + 8 * 4
-    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=1, threads=1)
-    process.start()
-    try:
-        os.kill(process.pid, signal.SIGSTOP)
-        replies = _Replies()
-        submitting = threading.Thread(target=process.submit_packed,
-                                      args=([("p0", 0, 16), ("p1", 0, 16)], ids, aux, final, replies))
-        submitting.start()
-        submitting.join(1.0)
-        assert submitting.is_alive(), "the second slot must wait: the only one is taken"
-        os.kill(process.pid, signal.SIGKILL)
-        submitting.join(30)
-        assert not submitting.is_alive()
-        errors = replies.wait()
-        assert len(replies.got) == 1 and len(errors) == 2
-        assert all(error is not None and "code -9" in error for error in errors), errors
-        with pytest.raises(SpoolProcessError, match="exited"):
-            process.submit_packed([("p2", 0, 4)], ids[:4], aux[:4], final[:4], _Replies())
-    finally:
-        process.close(timeout=10)
-
-
-def test_a_child_dying_between_slots_answers_every_piece_once(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["pieces", "packed"])
+def test_a_child_dying_between_slots_answers_every_piece_once(tmp_path, packed):
     """The first slot is in the (stopped) child's hands and the second waits for a free slot when the
     child is killed: submit returns without raising, and its one answer gives every piece the exit
-    code, the pieces of the slot never handed over included."""
+    code, the pieces of the slot never handed over included. The same for a packed batch."""
     ids, aux, final = _batch(2, 16, 8, torch.float32)
+
+    def submit(process, rids, n, replies):
+        if packed:
+            process.submit_packed([(rid, 0, n) for rid in rids], *_packed([n] * len(rids), ids, aux, final), replies)
+        else:
+            process.submit(_pieces(rids, [n] * len(rids), ids, aux, final), replies)
+
     per_token = 8 + 3 * 8 * 4 + 8 * 4
     process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=1, threads=1)
     process.start()
     try:
         os.kill(process.pid, signal.SIGSTOP)
         replies = _Replies()
-        submitting = threading.Thread(target=process.submit,
-                                      args=(_pieces(["p0", "p1"], [16, 16], ids, aux, final), replies))
+        submitting = threading.Thread(target=submit, args=(process, ["p0", "p1"], 16, replies))
         submitting.start()
         submitting.join(1.0)
         assert submitting.is_alive(), "the second slot must wait: the only one is taken"
@@ -296,7 +278,7 @@ def test_a_child_dying_between_slots_answers_every_piece_once(tmp_path):
         assert len(replies.got) == 1 and len(errors) == 2
         assert all(error is not None and "code -9" in error for error in errors), errors
         with pytest.raises(SpoolProcessError, match="exited"):
-            process.submit(_pieces(["p2"], [4], ids, aux, final), _Replies())
+            submit(process, ["p2"], 4, _Replies())
     finally:
         process.close(timeout=10)
 
