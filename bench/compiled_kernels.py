@@ -18,10 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.train import mixed  # noqa: E402
+from engine.train.data import _draft_softmax  # noqa: E402
 from engine.train.loss import _chunk_logits_pass, fused_chunk_rows  # noqa: E402
 from engine.train.model import _rope_qk, rope_cos_sin  # noqa: E402
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, DRAFT_VOCAB = 4096, 14336, 32, 8, 128, 32000
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, DRAFT_VOCAB, VOCAB = 4096, 14336, 32, 8, 128, 32000, 128256
 
 
 def _time_ms(fn, iters: int) -> float:
@@ -74,6 +75,10 @@ def cases(t: int) -> dict:
                 dtype=bf) * 0.02, q, q.float().sum(-1), ones, ones / rows,
                 torch.randint(0, DRAFT_VOCAB, (rows,), device="cuda"), ones.bool(), torch.float32, bf, True)
 
+    def teacher_in(n):  # the target head's full-vocabulary logits of n rows, the draft vocabulary's columns
+        hot = torch.sort(torch.randperm(VOCAB, device="cuda")[:DRAFT_VOCAB]).values
+        return torch.randn(n, VOCAB, device="cuda", dtype=bf), hot, bf
+
     i, h, qk = INTERMEDIATE, HIDDEN, (HEADS + KV_HEADS) * HEAD_DIM  # bf16 elements: 2 bytes each
     v, chunk = DRAFT_VOCAB, fused_chunk_rows(DRAFT_VOCAB)
     return {
@@ -84,6 +89,8 @@ def cases(t: int) -> dict:
         "rope q,k": (_rope_qk, rope_in, t * 2 * 2 * qk),
         # The logits GEMM is inside it; bytes: logits written and read back, q read, the gradient written.
         "loss head chunk": (_chunk_logits_pass, head_chunk_in, chunk * v * 2 * 4),
+        # The draft columns read once (gathered), the bf16 distribution written once.
+        "teacher draft softmax": (_draft_softmax, teacher_in, t * v * 2 * 2),
     }
 
 

@@ -49,3 +49,34 @@ def test_keep_scores_the_next_loss_masked_token_inside_the_record_and_comes_to_t
     assert torch.equal(out.keep, want)
     assert out.keep_host is not None and out.keep_host.device.type == "cpu" and torch.equal(out.keep_host, want)
 
+
+
+def test_the_compiled_draft_softmax_traces_to_the_eager_teacher(monkeypatch):
+    """On CUDA the draft columns' gather, widening, softmax and narrowing are one compiled function; here
+    dynamo traces it (aot_eager: inductor's CPU build takes longer than this file may) and the teacher must
+    give exactly the eager result, for one chunk and for several."""
+    from engine.train import data, mixed
+
+    calls = []
+    real_compile = torch.compile
+
+    def aot_eager(fn, **kwargs):
+        calls.append(fn.__name__)
+        return real_compile(fn, backend="aot_eager", **kwargs)
+
+    generator = torch.Generator().manual_seed(5)
+    head = (torch.randn(300, 32, generator=generator) * 0.5).to(torch.bfloat16)
+    hot = torch.sort(torch.randperm(300, generator=generator)[:64]).values
+    batch = Batch(input_ids=torch.zeros(2, 9, dtype=torch.int64), loss_mask=torch.ones(2, 9, dtype=torch.bool),
+                  aux=torch.zeros(2, 9, 96), hidden=torch.randn(2, 9, 32, generator=generator),
+                  lengths=torch.tensor([9, 7]))
+    eager = [Teacher(head, hot, chunk_rows=rows)(batch, torch.bfloat16) for rows in (4096, 5)]
+    monkeypatch.setattr(mixed, "_BROKEN", [])
+    monkeypatch.setattr(mixed, "COMPILE_DEVICES", ("cpu",))
+    monkeypatch.setattr(torch, "compile", aot_eager)
+    monkeypatch.setattr(data, "_draft_softmax_kernel", mixed.compiled_or_eager(data._draft_softmax))
+    for rows, want in zip((4096, 5), eager):
+        got = Teacher(head, hot, chunk_rows=rows)(batch, torch.bfloat16)
+        assert got.probs.dtype == torch.bfloat16 and got.probs.shape == (2, 9, 64)
+        assert torch.equal(got.probs, want.probs) and torch.equal(got.target, want.target)
+    assert calls == ["_draft_softmax"] and not mixed._BROKEN

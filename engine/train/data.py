@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.records import RecordEntry, RecordError, load_record, read_manifest, read_run_meta
+from engine.train.mixed import compiled_or_eager
 from engine.errors import EngineError
 
 
@@ -292,6 +293,16 @@ def keep_mask(batch: Batch) -> torch.Tensor:
     return next_mask & (positions + 1 < batch.lengths[:, None])
 
 
+def _draft_softmax(logits: torch.Tensor, hot_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the draft vocabulary's columns of full-vocabulary logits, in fp32, stored as `dtype`."""
+    return torch.softmax(logits[:, hot_ids].float(), -1).to(dtype)
+
+
+# Compiled on CUDA, the column gather, the widening, the softmax and the narrowing are one pass over the
+# draft columns instead of five over logits-sized tensors.
+_draft_softmax_kernel = compiled_or_eager(_draft_softmax)
+
+
 class Teacher:
     """The target's LM head on the captured final state, renormalised over the draft vocabulary."""
 
@@ -312,13 +323,14 @@ class Teacher:
         # batch's copy only, and the loss then picks its rows with no further wait (engine.train.loss).
         keep_host = keep.cpu()
         flat = batch.hidden.reshape(b * t, h).to(self.weight.dtype)
-        probs = torch.empty(b * t, self.hot_ids.shape[0], dtype=probs_dtype, device=flat.device)
-        greedy = torch.empty(b * t, dtype=torch.int64, device=flat.device)
-        for start in range(0, b * t, self.chunk_rows):  # full-vocab logits only a chunk at a time
+        chunks: list[torch.Tensor] = []
+        greedy: list[torch.Tensor] = []
+        for start in range(0, max(b * t, 1), self.chunk_rows):  # full-vocab logits only a chunk at a time
             # In the head's dtype: widening is exact, so the argmax and the draft columns' softmax are
             # the same as over fp32 logits, without a full-vocabulary fp32 copy (2 GB at 4,096 tokens).
             logits = flat[start:start + self.chunk_rows] @ self.weight.T
-            greedy[start:start + self.chunk_rows] = logits.argmax(-1)
-            hot = logits[:, self.hot_ids].float()
-            probs[start:start + self.chunk_rows] = torch.softmax(hot, -1).to(probs_dtype)
-        return TeacherOut(probs.view(b, t, -1), self.to_draft[greedy].view(b, t), keep, keep_host)
+            greedy.append(logits.argmax(-1))
+            chunks.append(_draft_softmax_kernel(logits, self.hot_ids, probs_dtype))
+        probs = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        target = self.to_draft[greedy[0] if len(greedy) == 1 else torch.cat(greedy)]
+        return TeacherOut(probs.view(b, t, self.hot_ids.shape[0]), target.view(b, t), keep, keep_host)
