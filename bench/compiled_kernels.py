@@ -98,6 +98,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--only", nargs="+", metavar="WORD", help="just the kernels whose name holds one of these")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -108,6 +109,8 @@ def main() -> int:
     print(f"{'kernel':<20} {'eager ms':>9} {'dynamic=True':>13} {'automatic':>10}   GB/s eager / True / automatic"
           "   automatic x eager")
     for name, (fn, make, nbytes) in cases(args.tokens).items():
+        if args.only and not any(word in name for word in args.only):
+            continue
         inputs = make(args.tokens)
         compiled_all = torch.compile(fn, dynamic=True)
         compiled_auto = torch.compile(fn)
