@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from engine.train.data import Batch, BatchPrefetcher, Teacher  # noqa: E402
-from engine.train.loop import build_adamw, place_drafter  # noqa: E402
+from engine.train.loop import build_adamw, clip_gradients, place_drafter  # noqa: E402
 from engine.train.loss import TTTModel  # noqa: E402
 from engine.train.model import DraftConfig, Eagle3Drafter  # noqa: E402
 
@@ -158,10 +158,11 @@ def build(cfg: DraftConfig, t: int, steps: int, backend: str, variant: Variant, 
         if not variant.early_zero_grad:
             optim.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+        grad_norm = clip_gradients(optim, params, 0.5)
         # One host read of loss and grad norm a step, as Trainer.train_step does (it skips non-finite steps).
         values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float()]).tolist()
         optim.step()
+        optim.grad_scale = None
         return torch.tensor(values[0])
 
     return one_step, (batches.close if batches is not None else (lambda: None))

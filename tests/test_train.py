@@ -342,3 +342,38 @@ def test_checkpoints_refuse_nonfinite_weights(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="4 non-finite model weights"):
         ckpt.load(tmp_path, "step-00000003")
     assert torch.equal(ckpt.load(tmp_path)["model"]["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_clipping_through_the_fused_optimizer_is_clip_grad_norm(fused):
+    """clip_gradients hands the clip scale to a fused AdamW (its kernel divides each gradient by it as it
+    reads it: no pass of its own over the gradients) and clips in place otherwise; the weights after
+    steps that clip and one that does not match clip_grad_norm_ followed by the same step."""
+    from engine.train.loop import build_adamw, clip_gradients
+
+    torch.manual_seed(0)
+    start = [torch.randn(50, 30), torch.randn(30)]
+
+    def run(ours: bool):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        optim = build_adamw(params, 1e-2, fused=fused)
+        norms = []
+        for step, size in enumerate((100.0, 0.01, 50.0)):  # clipped, not clipped, clipped
+            gen = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen) * size
+            raw = [p.grad.clone() for p in params]
+            if ours:
+                norms.append(float(clip_gradients(optim, params, 0.5)))
+                untouched = all(torch.equal(p.grad, r) for p, r in zip(params, raw))
+                assert untouched == (fused or size < 0.1), "fused: the kernel scales; foreach: clipped in place"
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.5)))
+            optim.step()
+            optim.grad_scale = None
+        return params, norms
+
+    (theirs, their_norms), (mine, my_norms) = run(False), run(True)
+    assert my_norms == pytest.approx(their_norms, rel=1e-6) and their_norms[0] > 0.5 > their_norms[1]
+    for a, b in zip(theirs, mine):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
