@@ -171,6 +171,34 @@ def _coalesced(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     return merged
 
 
+def _cut(counts: Sequence[int], room: int) -> list[list[tuple[int, int, int]]]:
+    """Pieces of `counts` tokens packed one after another into slots of `room` tokens: per slot,
+    (piece index, first token, tokens); a piece longer than a slot's room spans several."""
+    slots: list[list[tuple[int, int, int]]] = [[]]
+    free = room
+    for index, n in enumerate(counts):
+        done = 0
+        while done < n:
+            if free == 0:
+                slots.append([])
+                free = room
+            take = min(free, n - done)
+            slots[-1].append((index, done, take))
+            done, free = done + take, free - take
+    return [parts for parts in slots if parts]
+
+
+def _slot_rows(parts: list[tuple[int, int, int]], heads: Sequence[tuple]) -> list[tuple[str, int, int, int]]:
+    """A slot's rows for the child: (rid, start position, first row in the slot, tokens) of each part;
+    heads[i] starts with piece i's rid and start position."""
+    rows, at = [], 0
+    for index, first, n in parts:
+        rid, start = heads[index][0], heads[index][1]
+        rows.append((rid, int(start) + first, at, n))
+        at += n
+    return rows
+
+
 def _view(arena: torch.Tensor, base: int, block: _Block) -> torch.Tensor:
     dtype = getattr(torch, block.dtype)
     count = 1
@@ -340,20 +368,14 @@ class SpoolWriterProcess:
         if not pieces:
             on_done([])
             return
-        plan = self._plan(pieces)
-        if not plan:  # pieces of no tokens: nothing to write
-            on_done([None] * len(pieces))
-            return
-        gather = _Gather(len(pieces), len(plan), on_done)
-        for number, parts in enumerate(plan):
-            try:
-                self._hand_over(pieces, parts, gather)
-            except SpoolProcessError as exc:
-                if number == 0:
-                    raise
-                for later in plan[number:]:
-                    gather.slot_done([index for index, *_ in later], [f"capture write failed: {exc}"] * len(later))
-                return
+        slots = []
+        for parts in self._plan(pieces):
+            # Rows that sit back to back (a batch of full-width rows) go in one copy, not one a row: each
+            # copy is a launch the model thread pays for.
+            sources = [_coalesced([pieces[index][2:][kind][first:first + n] for index, first, n in parts])
+                       for kind in range(3)]
+            slots.append((_slot_rows(parts, pieces), [index for index, *_ in parts], sources))
+        self._hand_over(slots, len(pieces), on_done)
 
     def submit_packed(self, segments: Sequence[tuple[str, int, int]], ids: torch.Tensor, aux: torch.Tensor,
                       final: torch.Tensor, on_done: Callable[[list[str | None]], None]) -> None:
@@ -365,37 +387,23 @@ class SpoolWriterProcess:
         if any(n < 0 for n in counts) or not ids.shape[0] == aux.shape[0] == final.shape[0] == sum(counts):
             raise ValueError(f"a packed batch of {ids.shape[0]}/{aux.shape[0]}/{final.shape[0]} rows (ids/aux/final) "
                              f"for segments of {sum(counts)} tokens: the rows and the segment table disagree")
+        offsets = list(itertools.accumulate(counts, initial=0))  # each segment's first row in the batch
+        slots = []
+        for parts in _cut(counts, self._room(ids, aux, final)):
+            index, first, _ = parts[0]
+            rows = _slot_rows(parts, segments)
+            first_row, tokens = offsets[index] + first, sum(n for *_, n in rows)
+            slots.append((rows, [index for index, *_ in parts],
+                          [[t[first_row:first_row + tokens]] for t in (ids, aux, final)]))
+        self._hand_over(slots, len(counts), on_done)
+
+    def _room(self, ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor) -> int:
+        """Tokens one slot holds of states of these widths and dtypes; ValueError if not one."""
         per_token = ids.element_size() + aux.shape[-1] * aux.element_size() + final.shape[-1] * final.element_size()
         room = self.tokens_per_slot(per_token)
         if room < 1:
             raise ValueError(f"a shared-memory slot of {self.slot_bytes} bytes holds no token of {per_token} bytes")
-        slots: list[tuple[int, list[tuple[str, int, int, int]], list[int]]] = []  # first row, rows, segment index
-        row, free = 0, 0
-        for index, ((rid, start, _), n) in enumerate(zip(segments, counts)):
-            done = 0
-            while done < n:
-                if free == 0:
-                    slots.append((row, [], []))
-                    free = room
-                take = min(free, n - done)
-                first_row, rows, indices = slots[-1]
-                rows.append((rid, int(start) + done, row - first_row, take))
-                indices.append(index)
-                done, free, row = done + take, free - take, row + take
-        if not slots:
-            on_done([None] * len(counts))
-            return
-        gather = _Gather(len(counts), len(slots), on_done)
-        for number, (first_row, rows, indices) in enumerate(slots):
-            tokens = sum(n for *_, n in rows)
-            try:
-                self._fill(rows, indices, [[t[first_row:first_row + tokens]] for t in (ids, aux, final)], gather)
-            except SpoolProcessError as exc:
-                if number == 0:
-                    raise
-                for _, _, later in slots[number:]:
-                    gather.slot_done(later, [f"capture write failed: {exc}"] * len(later))
-                return
+        return room
 
     def _plan(self, pieces: Sequence[Piece]) -> list[list[tuple[int, int, int]]]:
         """Pieces cut into slots: per slot, (piece index, first token, tokens) in packing order."""
@@ -403,37 +411,28 @@ class SpoolWriterProcess:
         widths = (ids.dtype, aux.shape[-1], aux.dtype, final.shape[-1], final.dtype)
         if any((p[2].dtype, p[3].shape[-1], p[3].dtype, p[4].shape[-1], p[4].dtype) != widths for p in pieces):
             raise ValueError("every piece of one submit needs the same dtypes and state widths")
-        per_token = ids.element_size() + aux.shape[-1] * aux.element_size() + final.shape[-1] * final.element_size()
-        room = self.tokens_per_slot(per_token)
-        if room < 1:
-            raise ValueError(f"a shared-memory slot of {self.slot_bytes} bytes holds no token of {per_token} bytes")
-        plan: list[list[tuple[int, int, int]]] = [[]]
-        free = room
         for index, (_, _, ids, aux, final) in enumerate(pieces):
-            n = int(ids.shape[0])
-            if aux.shape[0] != n or final.shape[0] != n:
+            if not ids.shape[0] == aux.shape[0] == final.shape[0]:
                 raise ValueError(f"piece {index}: ids, aux and final disagree on the token count")
-            done = 0
-            while done < n:
-                if free == 0:
-                    plan.append([])
-                    free = room
-                take = min(free, n - done)
-                plan[-1].append((index, done, take))
-                done += take
-                free -= take
-        return [parts for parts in plan if parts]
+        return _cut([int(piece[2].shape[0]) for piece in pieces], self._room(*pieces[0][2:]))
 
-    def _hand_over(self, pieces: Sequence[Piece], parts: list[tuple[int, int, int]], gather: _Gather) -> None:
-        rows, at = [], 0
-        for index, first, n in parts:
-            rid, start, *_ = pieces[index]
-            rows.append((rid, int(start) + first, at, n))
-            at += n
-        # Rows that sit back to back (a batch of full-width rows) go in one copy, not one a row: each
-        # copy is a launch the model thread pays for.
-        sources = [_coalesced([pieces[index][2:][kind][first:first + n] for index, first, n in parts]) for kind in range(3)]
-        self._fill(rows, [index for index, *_ in parts], sources, gather)
+    def _hand_over(self, slots: list[tuple[list[tuple[str, int, int, int]], list[int], list[list[torch.Tensor]]]],
+                   count: int, on_done: Callable[[list[str | None]], None]) -> None:
+        """Fill the slots one after another (rows, the index of each row's piece, its sources) and answer
+        the submit's `count` pieces once; see submit for what a child dying between two slots does."""
+        if not slots:  # pieces of no tokens: nothing to write
+            on_done([None] * count)
+            return
+        gather = _Gather(count, len(slots), on_done)
+        for number, (rows, indices, sources) in enumerate(slots):
+            try:
+                self._fill(rows, indices, sources, gather)
+            except SpoolProcessError as exc:
+                if number == 0:
+                    raise
+                for _, later, _ in slots[number:]:
+                    gather.slot_done(later, [f"capture write failed: {exc}"] * len(later))
+                return
 
     def _fill(self, rows: list[tuple[str, int, int, int]], indices: list[int], sources: list[list[torch.Tensor]],
               gather: _Gather) -> None:
