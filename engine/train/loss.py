@@ -23,8 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.train.attention import DEFAULT_BACKEND
 from engine.train.data import Batch, TeacherOut
-from engine.train.mixed import (accumulate_fp32, autocast_dtype, compiled_or_eager, no_autocast,
-                                step_weights)
+from engine.train.mixed import accumulate_fp32, autocast_dtype, compiled_or_eager, no_autocast, step_weights
 from engine.train.model import Eagle3Drafter, shift_left
 
 STAT_FIELDS = ("loss_sum", "positions", "correct", "scored", "accept_sum", "entropy_sum")

@@ -67,6 +67,11 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def _reason(exc: Exception) -> str:
+    """Why a fast path was switched off, for its note: the error's type and first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
 def compile_dynamic() -> bool | None:
     """torch.compile's `dynamic` for compiled_or_eager: None (automatic: the first record length compiles
     with constant shapes, a second makes only the dimensions that changed symbolic, so the model's widths
@@ -93,7 +98,7 @@ def compiled_or_eager(fn: Callable, anywhere: bool = False) -> Callable:
                 compiled[dynamic] = torch.compile(fn, dynamic=dynamic)
             return compiled[dynamic](*args)
         except Exception as exc:  # torch.compile raises backend-specific types
-            _BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+            _BROKEN.append(_reason(exc))
             print(f"note: compiled {fn.__name__} unavailable ({_BROKEN[0]}); training continues eagerly",
                   file=sys.stderr, flush=True)
             return fn(*args)
@@ -107,7 +112,7 @@ FP32_GEMM_BROKEN: list[str] = []
 
 
 def _note_gemm_failure(exc: Exception) -> None:
-    FP32_GEMM_BROKEN.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    FP32_GEMM_BROKEN.append(_reason(exc))
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
