@@ -129,7 +129,7 @@ def build_specforge(sf: dict[str, Any], cfg, t: int, ttt: int, attention: str, d
 
 
 def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.device, iters: int, profile: bool) -> dict:
-    from bench.training import model_flops, profile_into, step_times, time_steps
+    from bench.training import model_flops, profile_into, time_steps
 
     gpu = device.type == "cuda"
     torch.manual_seed(0)
@@ -142,7 +142,7 @@ def run_specforge(sf, cfg, t: int, ttt: int, attention: str, device: torch.devic
         torch.cuda.reset_peak_memory_stats(device)
     first, times = time_steps(one_step, device, iters)
     seconds = times["step_s"]
-    result = {"side": "specforge", "tokens": t, **step_times(times), "tokens_per_s": t / seconds,
+    result = {"side": "specforge", "tokens": t, **times, "tokens_per_s": t / seconds,
               "tflops": model_flops(cfg, t, ttt) / seconds / 1e12, "first_loss": first,
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:

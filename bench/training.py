@@ -270,15 +270,9 @@ def time_steps(one_step: Callable[[], torch.Tensor], device: torch.device, iters
         one_step()
         walls.append(time.perf_counter() - before)
     _sync(device)
-    seconds = time.perf_counter() - start
+    seconds, walls = time.perf_counter() - start, sorted(walls)
     return first, {"step_s": seconds / iters, "cpu_s": (time.process_time() - cpu_start) / iters,  # all threads
-                   "step_walls_s": walls}
-
-
-def step_times(times: dict) -> dict:
-    walls = sorted(times["step_walls_s"])
-    return {"step_s": times["step_s"], "cpu_s": times["cpu_s"], "step_median_s": walls[len(walls) // 2],
-            "step_max_s": walls[-1]}
+                   "step_median_s": walls[len(walls) // 2], "step_max_s": walls[-1]}
 
 
 def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, variant: Variant,
@@ -288,7 +282,7 @@ def run_length(cfg: DraftConfig, t: int, steps: int, iters: int, backend: str, v
     if gpu:  # the peak from here on: resident weights, optimizer state and the steps themselves
         torch.cuda.reset_peak_memory_stats(device)
     first_loss, times = time_steps(one_step, device, iters)
-    result = {"tokens": t, "records": records, "variant": asdict(variant), **step_times(times),
+    result = {"tokens": t, "records": records, "variant": asdict(variant), **times,
               "tokens_per_s": records * t / times["step_s"], "tflops": records * model_flops(cfg, t, steps) / times["step_s"] / 1e12,
               "first_loss": first_loss, "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if gpu else None}
     if profile:
