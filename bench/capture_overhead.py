@@ -31,6 +31,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# What the 'on' side exercises. The SGLang hook (engine/sglang/hook.py) shares only the writer process.
+CAPTURE_PATH = ("the local server's capture (engine/localserver/capture_sink.py, SpoolWriterProcess.submit), "
+                "not the SGLang hook")
+
 SIZES = {
     # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
     "tiny": (128, 6, 4, 2, 384, 2048),
@@ -410,7 +414,9 @@ def main() -> int:  # noqa: C901 - a linear script
         ceiling = spool_write_ceiling(spool, hidden, args.length, dtype)
         on, off = statistics.median(result["on"]), statistics.median(result["off"])
         device = torch.cuda.get_device_name(0) if gpu else f"CPU ({os.cpu_count()} cores)"
+        max_batch = args.max_batch or args.concurrency
         summary = {"device": device, "model": f"random Llama {args.size} ({params / 1e6:.0f}M params, {dtype})",
+                   "server": CAPTURE_PATH, "max_batch": max_batch,
                    "prompt_tokens": args.length, "requests_per_round": args.requests, "concurrency": args.concurrency,
                    "rounds": args.rounds, "capture_on_tok_s": round(on, 1), "capture_off_tok_s": round(off, 1),
                    "ratio_on_off": round(on / off, 3), "all_on": [round(x) for x in result["on"]],
@@ -425,6 +431,9 @@ def main() -> int:  # noqa: C901 - a linear script
             print(f"ABLATION {args.ablate}: the 'on' side below did not capture in full (see capture_ablation.py)")
         print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}; "
               f"segments written by {writer}]")
+        print(f"measured: {CAPTURE_PATH}; {args.concurrency} requests in flight for batches of up to {max_batch}"
+              + (" (one batch's worth: its clients wait for its captures before sending more, so the ratio "
+                 "includes the capture's latency)" if args.concurrency <= max_batch else ""))
         print(f"per-round ratios (round i on / round i off): min {pairs[0]:.3f}, median "
               f"{statistics.median(pairs):.3f}, max {pairs[-1]:.3f} over {len(pairs)} rounds")
         print(ratio_verdict(pairs))
