@@ -187,6 +187,87 @@ def test_writer_setting_is_checked(tmp_path, monkeypatch):
         make_capture_hook({"sglang": "0.5.23"})
 
 
+@pytest.mark.parametrize("writer", ["process", "threads"])
+def test_pending_host_memory_is_bounded_the_forward_waits_for_room(tmp_path, monkeypatch, writer):
+    """Captured batches waiting for a stalled writer may hold at most the hook's pending bound of host
+    memory: past it the forward waits (before allocating), and goes on once the writer catches up. One
+    batch is always let through, however large. Nothing is lost on the way."""
+    import threading
+    import time
+
+    import engine.capture.spool_process as spool_process
+    import engine.sglang.hook as hook_module
+
+    gate = threading.Event()
+    real_write = hook_module.write_segment
+
+    def stalled_write(*args, **kwargs):
+        gate.wait(30)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(hook_module, "write_segment", stalled_write)  # the hook's own thread
+    if writer == "process":  # the hand-over to the child blocks while no slot is free: stall at the slot
+        real_fill = spool_process.SpoolWriterProcess._fill
+
+        def stalled_fill(self, *args, **kwargs):
+            gate.wait(30)
+            return real_fill(self, *args, **kwargs)
+
+        monkeypatch.setattr(spool_process.SpoolWriterProcess, "_fill", stalled_fill)
+    batch_bytes = 6 * (8 + 3 * H * 2 + H * 2)  # 6 tokens: int64 ids, bf16 aux [6, 3H] and final [6, H]
+    spool = tmp_path / "spool"
+    hook = CaptureHook(str(spool), LAYERS, rank_fn=lambda: 0, writer=writer, pending_bytes=batch_bytes * 3 // 2)
+    module = LogitsProcessor()
+    module.register_forward_hook(hook)
+    states = {f"r{i}": full_states(i, 6) for i in range(4)}
+    called: list[str] = []
+
+    def forward_loop():
+        for rid, chunk in states.items():
+            run_batch(module, Batch(ForwardMode.EXTEND, [rid], [6], [0]), [chunk])
+            called.append(rid)
+
+    loop = threading.Thread(target=forward_loop, daemon=True)
+    loop.start()
+    time.sleep(0.5)
+    # The first batch waits for the stalled writer; the second would pass the bound: its forward waits.
+    assert called == ["r0"] and loop.is_alive()
+    assert hook.pending_bytes == batch_bytes <= hook.pending_limit
+    gate.set()
+    loop.join(30)
+    assert not loop.is_alive() and called == list(states)
+    assert hook.flush(30)
+    hook.close()
+    assert hook.errors == [] and hook.written == 4 and hook.pending_bytes == 0
+    for rid, (ids, aux, final) in states.items():
+        cap = assemble(spool, rid, expected_len=6, expected_input_ids=ids.tolist())
+        assert torch.equal(cap.aux_hidden_state, aux) and torch.equal(cap.hidden_state, final)
+
+
+def test_a_batch_larger_than_the_pending_bound_still_goes_through(tmp_path, monkeypatch):
+    spool = tmp_path / "spool"
+    hook = CaptureHook(str(spool), LAYERS, rank_fn=lambda: 0, writer="threads", pending_bytes=1)
+    module = LogitsProcessor()
+    module.register_forward_hook(hook)
+    a, b = full_states(1, 9), full_states(2, 4)
+    run_batch(module, Batch(ForwardMode.EXTEND, ["xa", "xb"], [9, 4], [0, 0]), [a, b])
+    run_batch(module, Batch(ForwardMode.EXTEND, ["xc"], [4], [0]), [full_states(3, 4)])
+    assert hook.flush(10)
+    hook.close()
+    assert hook.written == 3 and hook.pending_bytes == 0
+    monkeypatch.setenv("EAGLE3_CAPTURE_SPOOL", str(tmp_path))
+    monkeypatch.setenv("EAGLE3_CAPTURE_LAYERS", "1,2,3")
+    monkeypatch.setenv("EAGLE3_CAPTURE_PENDING_MB", "0")
+    with pytest.raises(CaptureConfigError, match="EAGLE3_CAPTURE_PENDING_MB='0' is not a whole number of MiB from 1"):
+        make_capture_hook({"sglang": "0.5.23"})
+    monkeypatch.setenv("EAGLE3_CAPTURE_PENDING_MB", "512")
+    hook = make_capture_hook({"sglang": "0.5.23"})
+    try:
+        assert hook.pending_limit == 512 << 20
+    finally:
+        hook.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_copies_run_beside_the_forward_and_keep_their_sources_alive(tmp_path):
     """The D2H copy waits for the forward's stream but the forward's stream never waits for it, and

@@ -18,10 +18,11 @@ Ids are validated as file names before use. Rows are sliced per request by
 extend_seq_lens_cpu; extend_prefix_lens_cpu is the segment's start position, so chunked
 prefill leaves one segment per chunk that `assemble` stitches.
 
-The forward never waits on disk, nor on the copy: the batch's captured rows are copied into pinned
-host memory on a side stream that first waits for the forward's stream, so the next forward's kernels
-run while the copy engine drains the states (on the forward's own stream the copy would hold the next
-batch back). The source tensors are recorded on the side stream, so SGLang's allocator does not reuse
+The forward never waits on disk, nor on the copy, unless the batches waiting for the writer already
+hold `EAGLE3_CAPTURE_PENDING_MB` of host memory (4 GiB; then it waits for room): the batch's captured
+rows are copied into pinned host memory on a side stream that first waits for the forward's stream, so
+the next forward's kernels run while the copy engine drains the states (on the forward's own stream the
+copy would hold the next batch back). The source tensors are recorded on the side stream, so SGLang's allocator does not reuse
 their memory before the copy has read it; nothing writes them in place after the logits processor. A
 CUDA event on the side stream marks the copy, and a daemon thread waits on the event and hands the batch
 to a writer *process* (engine.capture.spool_process, the local server's design): here the hook shares
@@ -60,6 +61,23 @@ ENV_LAYERS = "EAGLE3_CAPTURE_LAYERS"
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 _GENERATED_RID = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex, what SGLang assigns when no rid is given
 MAX_PENDING_BATCHES = 256  # beyond this the forward blocks rather than exhausting pinned memory
+# Host memory that captured batches may hold while they wait for the writer; past it the forward waits.
+# A batch count alone bounds nothing: 256 batches of a 1B target's 16 x 2,048-token prefill are 137 GB.
+PENDING_MB_ENV = "EAGLE3_CAPTURE_PENDING_MB"
+DEFAULT_PENDING_MB = 4096
+MAX_PENDING_MB = 1 << 20
+
+
+def pending_bytes_from_env() -> int:
+    """EAGLE3_CAPTURE_PENDING_MB in bytes if set, else the default; ValueError naming the variable and the
+    fix for anything else (never replaced by the default: the operator set it for a reason)."""
+    raw = os.environ.get(PENDING_MB_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PENDING_MB << 20
+    if raw.isdigit() and 1 <= int(raw) <= MAX_PENDING_MB:
+        return int(raw) << 20
+    raise ValueError(f"{PENDING_MB_ENV}={raw!r} is not a whole number of MiB from 1 to {MAX_PENDING_MB:,}: give one "
+                     f"in that range, or unset it for {DEFAULT_PENDING_MB:,} MiB")
 
 
 class CaptureConfigError(EngineError, RuntimeError):
@@ -73,6 +91,7 @@ class _Pending:
     ids: torch.Tensor  # [T] on the host (pinned when the batch came from a GPU)
     aux: torch.Tensor  # [T, k*H]
     final: torch.Tensor  # [T, H]
+    nbytes: int  # host memory the three hold, counted against the hook's pending bound
 
     def pieces(self) -> list[tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Each segment's (rid, start, ids, aux, final): views of its rows of the packed batch."""
@@ -175,7 +194,7 @@ class CaptureHook:
 
     def __init__(self, spool_dir: str, layers: list[int], rank_fn: Callable[[], int],
                  health_prefix: str = HEALTH_CHECK_PREFIX, writer: str = "process",
-                 slot_tokens: int = DEFAULT_SLOT_TOKENS) -> None:
+                 slot_tokens: int = DEFAULT_SLOT_TOKENS, pending_bytes: int = DEFAULT_PENDING_MB << 20) -> None:
         if writer not in WRITER_MODES:
             raise CaptureConfigError(f"{WRITER_ENV}={writer!r}: use \"process\" (the default) or \"threads\"")
         self.spool_dir = spool_dir
@@ -188,6 +207,8 @@ class CaptureHook:
         self._queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=MAX_PENDING_BATCHES)
         self._idle = threading.Condition()
         self._outstanding = 0
+        self.pending_limit = max(1, int(pending_bytes))
+        self.pending_bytes = 0  # host bytes of batches captured and not yet handed over or written
         self.written = 0
         self.batches_by_process = 0  # batches the writer process wrote (the rest: this process's thread)
         self.errors: list[str] = []
@@ -246,11 +267,22 @@ class CaptureHook:
             spans.append((at, length))
         if not segments:
             return
-        # One host copy a tensor for the whole batch (the rows kept, packed), not one per request.
-        (ids, aux_rows, final), event = _batch_to_host(input_ids, aux, hidden, spans, offset)
+        rows = sum(n for _, n in spans)
+        nbytes = rows * (input_ids.element_size() + sum(a.shape[-1] * a.element_size() for a in aux)
+                         + hidden.shape[-1] * hidden.element_size())
         with self._idle:
+            # Backpressure before the host buffers exist; one batch is always let through, however large.
+            self._idle.wait_for(lambda: self.pending_bytes == 0 or self.pending_bytes + nbytes <= self.pending_limit)
+            self.pending_bytes += nbytes
             self._outstanding += 1
-        self._queue.put(_Pending(event, segments, ids, aux_rows, final))
+        try:
+            # One host copy a tensor for the whole batch (the rows kept, packed), not one per request.
+            (ids, aux_rows, final), event = _batch_to_host(input_ids, aux, hidden, spans, offset)
+        except BaseException:
+            self._release(nbytes)
+            self._done()
+            raise
+        self._queue.put(_Pending(event, segments, ids, aux_rows, final, nbytes))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -270,9 +302,15 @@ class CaptureHook:
                 handed = self._to_process(pending)
                 if not handed:
                     self._write_here(pending)
+            except Exception as exc:  # e.g. a failed copy: this batch is lost, the thread goes on with the next
+                with self._idle:
+                    self.errors.extend(f"{rid}@{start}: capture failed: {exc}" for rid, start, _ in pending.segments)
+                logger.error("eagle3-console capture hook: a captured batch was lost: %s", exc)
             finally:
+                self._release(pending.nbytes)  # handed over, the process holds its own copy
                 if not handed:
                     self._done()
+            del pending  # its host buffers go back now, not when the next batch arrives
 
     def _to_process(self, pending: _Pending) -> bool:
         """Hand the batch to the writer process (started on the first batch); False: write it here."""
@@ -282,8 +320,9 @@ class CaptureHook:
         if process is None:
             return False
         try:
-            process.submit_packed(pending.segments, pending.ids, pending.aux, pending.final,
-                                  lambda errors: self._process_done(pending, errors))
+            segments = pending.segments  # the reply keeps the table, not the host buffers
+            process.submit_packed(segments, pending.ids, pending.aux, pending.final,
+                                  lambda errors: self._process_done(segments, errors))
         except SpoolProcessError as exc:
             self._process_gone(str(exc))
             return False
@@ -312,9 +351,9 @@ class CaptureHook:
             logger.error("eagle3-console capture hook: %s; the writer thread writes the segments from now on",
                          reason)
 
-    def _process_done(self, pending: _Pending, errors: list[str | None]) -> None:
+    def _process_done(self, segments: list[tuple[str, int, int]], errors: list[str | None]) -> None:
         with self._idle:  # the reply thread; the writer thread may count a fallback batch at once
-            for (rid, start, _), error in zip(pending.segments, errors):
+            for (rid, start, _), error in zip(segments, errors):
                 if error is None:
                     self.written += 1
                 else:
@@ -333,6 +372,11 @@ class CaptureHook:
                 with self._idle:
                     self.errors.append(f"{rid}@{start}: {exc}")
                 logger.error("eagle3-console capture hook: writing %s@%d failed: %s", rid, start, exc)
+
+    def _release(self, nbytes: int) -> None:
+        with self._idle:
+            self.pending_bytes -= nbytes
+            self._idle.notify_all()
 
     def _done(self) -> None:
         with self._idle:
@@ -383,9 +427,11 @@ def make_capture_hook(config: dict[str, Any] | None = None) -> CaptureHook:
     rank_functions = profile.rank_functions
     try:
         slot_tokens, writer = slot_tokens_from_env(DEFAULT_SLOT_TOKENS), writer_mode_from_env()
+        pending_bytes = pending_bytes_from_env()
     except ValueError as exc:
         raise CaptureConfigError(str(exc)) from None
     hook = CaptureHook(spool, layers, rank_fn=lambda: sglang_writer_rank(rank_functions),
-                       health_prefix=profile.health_check_prefix, writer=writer, slot_tokens=slot_tokens)
+                       health_prefix=profile.health_check_prefix, writer=writer, slot_tokens=slot_tokens,
+                       pending_bytes=pending_bytes)
     atexit.register(hook.close)
     return hook
