@@ -268,6 +268,34 @@ def test_a_batch_larger_than_the_pending_bound_still_goes_through(tmp_path, monk
         hook.close()
 
 
+def test_a_batch_that_fails_is_reported_and_the_next_one_is_still_written(tmp_path, monkeypatch):
+    import engine.capture.spool_process as spool_process
+
+    real_submit = spool_process.SpoolWriterProcess.submit_packed
+    calls = []
+
+    def failing_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("copy failed: an illegal memory access was encountered")
+        return real_submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(spool_process.SpoolWriterProcess, "submit_packed", failing_once)
+    spool = tmp_path / "spool"
+    hook = CaptureHook(str(spool), LAYERS, rank_fn=lambda: 0)
+    module = LogitsProcessor()
+    module.register_forward_hook(hook)
+    lost, kept = full_states(1, 5), full_states(2, 5)
+    run_batch(module, Batch(ForwardMode.EXTEND, ["lost"], [5], [0]), [lost])
+    run_batch(module, Batch(ForwardMode.EXTEND, ["kept"], [5], [0]), [kept])
+    assert hook.flush(30)
+    hook.close()
+    assert hook.errors == ["lost@0: capture failed: copy failed: an illegal memory access was encountered"]
+    assert hook.written == 1 and hook.pending_bytes == 0 and sorted(p.name for p in spool.iterdir()) == ["kept"]
+    cap = assemble(spool, "kept", expected_len=5, expected_input_ids=kept[0].tolist())
+    assert torch.equal(cap.aux_hidden_state, kept[1]) and torch.equal(cap.hidden_state, kept[2])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_copies_run_beside_the_forward_and_keep_their_sources_alive(tmp_path):
     """The D2H copy waits for the forward's stream but the forward's stream never waits for it, and
