@@ -22,10 +22,10 @@ The forward never waits on disk, nor on the copy, unless the batches waiting for
 hold `EAGLE3_CAPTURE_PENDING_MB` of host memory (4 GiB; then it waits for room): the batch's captured
 rows are copied into pinned host memory on a side stream that first waits for the forward's stream, so
 the next forward's kernels run while the copy engine drains the states (on the forward's own stream the
-copy would hold the next batch back). The source tensors are recorded on the side stream, so SGLang's allocator does not reuse
-their memory before the copy has read it; nothing writes them in place after the logits processor. A
-CUDA event on the side stream marks the copy, and a daemon thread waits on the event and hands the batch
-to a writer *process* (engine.capture.spool_process, the local server's design): here the hook shares
+copy would hold the next batch back). The source tensors are recorded on the side stream, so SGLang's
+allocator does not reuse their memory before the copy has read it; nothing writes them in place after the
+logits processor. A CUDA event on the side stream marks the copy, and a daemon thread waits on the event
+and hands the batch to a writer *process* (engine.capture.spool_process, the local server's design): here the hook shares
 the GIL with SGLang's scheduler, and a writer thread's system calls would take it from the thread that
 launches the model. The packed batch goes over whole (`submit_packed`: one copy a tensor into shared
 memory and one pipe message a slot, no per-request views); the child writes the segments; a batch
