@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # What the 'on' side exercises. The SGLang hook (engine/sglang/hook.py) shares only the writer process.
-CAPTURE_PATH = ("the local server's capture (engine/localserver/capture_sink.py, SpoolWriterProcess.submit), "
+CAPTURE_PATH = ("the local server's capture (engine/localserver/capture_sink.py, SpoolWriterProcess.submit_packed), "
                 "not the SGLang hook")
 
 SIZES = {

@@ -150,8 +150,8 @@ class CaptureSink:
 
     def queue_batch(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
         """The graph path's captures, and every batch's while the writer process runs. To the writer
-        process: each row's states copied from the device straight into its shared-memory slots (the
-        process cuts the batch into slots; no pinned buffer between). To the writer threads: one pinned
+        process: the batch's rows packed (padding dropped) and copied from the device straight into its
+        shared-memory slots (the process cuts the batch into slots; no pinned buffer between). To the writer threads: one pinned
         buffer and one copy per batch for each of the aux and final states, written as per-row views.
 
         Why per batch: a small target replays its prefill in one launch, so the per-row work of
@@ -188,7 +188,11 @@ class CaptureSink:
             self._write_queue.put((completions[row], host_ids[row, :n], aux[i, :n], final[i, :n], copied))
 
     def _to_process(self, completions, rows, lengths, host_ids, aux_states: Any, final_states: Any) -> bool:
-        """Hand a batch's captured rows to the writer process; False: the writer threads take it."""
+        """Hand a batch's captured rows to the writer process; False: the writer threads take it.
+
+        Packed whole (`submit_packed`: the rows of every request back to back, a segment table beside
+        them): on this thread, the one that launches the model, a per-request piece list costs the
+        planning and view-making that `submit` does for each of them."""
         import torch
 
         from engine.capture.spool_process import SpoolProcessError
@@ -197,8 +201,17 @@ class CaptureSink:
         if writer is None:
             return False
         batch = [completions[row] for row in rows]
-        pieces = [(completion.request.rid, 0, host_ids[row, :lengths[row]], aux_states[i, :lengths[row]],
-                   final_states[i, :lengths[row]]) for i, (completion, row) in enumerate(zip(batch, rows))]
+        counts = [int(lengths[row]) for row in rows]
+        width = aux_states.shape[1]
+        ids = host_ids[rows, :width].reshape(-1)
+        aux, final = aux_states.reshape(len(rows) * width, -1), final_states.reshape(len(rows) * width, -1)
+        if sum(counts) != len(rows) * width:  # shorter rows: their padding stays behind
+            keep = (torch.arange(width) < torch.tensor(counts)[:, None]).reshape(-1).nonzero().squeeze(1)  # host
+            ids = ids.index_select(0, keep)
+            if final.is_cuda:
+                keep = keep.pin_memory().to(final.device, non_blocking=True)
+            aux, final = aux.index_select(0, keep), final.index_select(0, keep)
+        segments = [(completion.request.rid, 0, n) for completion, n in zip(batch, counts)]
 
         def answer(errors: list[str | None]) -> None:
             for completion, error in zip(batch, errors):
@@ -207,11 +220,11 @@ class CaptureSink:
         for completion in batch:
             completion.capture_queued = True
         try:
-            if final_states.is_cuda:
-                with torch.cuda.stream(self._copy_stream_after(aux_states, final_states)):
-                    writer.submit(pieces, answer)
+            if final.is_cuda:
+                with torch.cuda.stream(self._copy_stream_after(aux, final)):
+                    writer.submit_packed(segments, ids, aux, final, answer)
             else:
-                writer.submit(pieces, answer)
+                writer.submit_packed(segments, ids, aux, final, answer)
         except SpoolProcessError:  # the child is gone (on_failure said so): the threads take the batch
             return False
         return True
