@@ -151,8 +151,9 @@ class CaptureSink:
     def queue_batch(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:
         """The graph path's captures, and every batch's while the writer process runs. To the writer
         process: the batch's rows packed (padding dropped) and copied from the device straight into its
-        shared-memory slots (the process cuts the batch into slots; no pinned buffer between). To the writer threads: one pinned
-        buffer and one copy per batch for each of the aux and final states, written as per-row views.
+        shared-memory slots (the process cuts the batch into slots; no pinned buffer between). To the
+        writer threads: one pinned buffer and one copy per batch for each of the aux and final states,
+        written as per-row views.
 
         Why per batch: a small target replays its prefill in one launch, so the per-row work of
         `queue_rows` (each torch call a GIL hand-off the model thread waits to get back) becomes
