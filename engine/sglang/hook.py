@@ -25,13 +25,13 @@ the next forward's kernels run while the copy engine drains the states (on the f
 copy would hold the next batch back). The source tensors are recorded on the side stream, so SGLang's
 allocator does not reuse their memory before the copy has read it; nothing writes them in place after the
 logits processor. A CUDA event on the side stream marks the copy, and a daemon thread waits on the event
-and hands the batch to a writer *process* (engine.capture.spool_process, the local server's design): here the hook shares
-the GIL with SGLang's scheduler, and a writer thread's system calls would take it from the thread that
-launches the model. The packed batch goes over whole (`submit_packed`: one copy a tensor into shared
-memory and one pipe message a slot, no per-request views); the child writes the segments; a batch
-larger than a slot is cut into several. Until the child is up (it starts on the
-first captured batch), or if it dies, the thread writes the segments itself
-(`EAGLE3_CAPTURE_WRITER=threads` always, as for the local server).
+and hands the batch to a writer *process* (engine.capture.spool_process, the local server's design):
+here the hook shares the GIL with SGLang's scheduler, and a writer thread's system calls would take it
+from the thread that launches the model. The packed batch goes over whole (`submit_packed`: one copy a
+tensor into shared memory and one pipe message a slot, no per-request views); the child writes the
+segments; a batch larger than a slot is cut into several. Until the child is up (it starts on the first
+captured batch), or if it dies, the thread writes the segments itself (`EAGLE3_CAPTURE_WRITER=threads`
+always, as for the local server).
 """
 
 from __future__ import annotations
