@@ -42,9 +42,15 @@ def _contents(path: Path) -> tuple[dict, dict]:
         return handle.metadata(), tensors
 
 
-def _pieces(rids, lengths, ids, aux, final):
-    """Row i of a padded batch as `submit` takes it: its first lengths[i] tokens, from position 0."""
-    return [(rid, 0, ids[i, :n], aux[i, :n], final[i, :n]) for i, (rid, n) in enumerate(zip(rids, lengths))]
+def _packed(lengths, ids, aux, final):
+    """The first lengths[i] tokens of row i of a padded batch, packed back to back as a server holds a batch."""
+    return tuple(torch.cat([t[i, :n] for i, n in enumerate(lengths)]) for t in (ids, aux, final))
+
+
+def _submit(process, rids, lengths, ids, aux, final, replies, starts=None):
+    """Row i of a padded batch as the segment (rids[i], starts[i] or 0, lengths[i] tokens), handed over packed."""
+    starts = starts or [0] * len(rids)
+    process.submit_packed(list(zip(rids, starts, lengths)), *_packed(lengths, ids, aux, final), replies)
 
 
 class _Replies:
@@ -78,7 +84,7 @@ def test_a_batch_becomes_the_same_files_as_the_in_process_writer(writer, tmp_pat
     ids, aux, final = _batch(4, 12, 16, dtype)
     lengths, rids = [12, 5, 1, 7], ["row-a", "row-b", "../escape", "row-d"]
     replies = _Replies()
-    writer.submit(_pieces(rids, lengths, ids, aux, final), replies)
+    _submit(writer, rids, lengths, ids, aux, final, replies)
     errors = replies.wait()
     assert errors[0] is None and errors[1] is None and errors[3] is None
     assert errors[2] is not None and "invalid request id '../escape'" in errors[2]
@@ -93,27 +99,6 @@ def test_a_batch_becomes_the_same_files_as_the_in_process_writer(writer, tmp_pat
         assert _contents(written) == _contents(expected)
 
 
-def test_rows_back_to_back_go_in_one_copy_and_read_back_exactly(writer):
-    """A batch of full-width rows is one block of memory: one copy a tensor, not one a row (each copy is a
-    launch the server's model thread pays for). A row cut short ends a block; another tensor's rows
-    never join it, however close in memory."""
-    from engine.capture.spool_process import _coalesced
-
-    ids, aux, final = _batch(4, 16, 8, torch.float32, seed=5)
-    [whole] = _coalesced([aux[i, :16] for i in range(4)])
-    assert whole.data_ptr() == aux.data_ptr() and torch.equal(whole, aux.reshape(64, -1))
-    assert [block.shape[0] for block in _coalesced([aux[0, :16], aux[1, :10], aux[2, :16], aux[3, :16]])] == [26, 32]
-    other = aux.clone()
-    assert len(_coalesced([aux[3, :16], other[0, :16]])) == 2
-    assert len(_coalesced([ids[0, :16], ids[1, :16]])) == 1  # 1-D rows too
-    replies, lengths = _Replies(), [16, 10, 16, 16]
-    writer.submit(_pieces(["w0", "w1", "w2", "w3"], lengths, ids, aux, final), replies)
-    assert replies.wait() == [None] * 4
-    for i, n in enumerate(lengths):
-        capture = assemble(writer.spool_dir, f"w{i}", expected_len=n, expected_input_ids=ids[i, :n].tolist())
-        assert torch.equal(capture.aux_hidden_state, aux[i, :n]) and torch.equal(capture.hidden_state, final[i, :n])
-
-
 def test_nothing_is_left_in_dev_shm_and_close_is_clean(tmp_path):
     process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=1 << 20, slots=2, threads=1)
     process.start()
@@ -122,7 +107,7 @@ def test_nothing_is_left_in_dev_shm_and_close_is_clean(tmp_path):
     assert process.alive and name and name not in os.listdir("/dev/shm"), "the name is dropped once both sides map it"
     replies = _Replies()
     ids, aux, final = _batch(2, 4, 8, torch.float32)
-    process.submit(_pieces(["a", "b"], [4, 3], ids, aux, final), replies)
+    _submit(process, ["a", "b"], [4, 3], ids, aux, final, replies)
     assert replies.wait() == [None, None]
     pid = process.pid
     process.close(timeout=10)
@@ -130,7 +115,7 @@ def test_nothing_is_left_in_dev_shm_and_close_is_clean(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     with pytest.raises(SpoolProcessError, match="not running"):
-        process.submit(_pieces(["c"], [4], ids, aux, final), replies)
+        _submit(process, ["c"], [4], ids, aux, final, replies)
 
 
 def test_a_killed_writer_fails_the_batches_it_held_and_refuses_more(writer):
@@ -140,13 +125,13 @@ def test_a_killed_writer_fails_the_batches_it_held_and_refuses_more(writer):
     ids, aux, final = _batch(3, 6, 8, torch.bfloat16)
     os.kill(writer.pid, signal.SIGSTOP)
     replies = _Replies()
-    writer.submit(_pieces(["x0", "x1", "x2"], [6, 6, 2], ids, aux, final), replies)
+    _submit(writer, ["x0", "x1", "x2"], [6, 6, 2], ids, aux, final, replies)
     os.kill(writer.pid, signal.SIGKILL)
     errors = replies.wait()
     assert len(errors) == 3 and all("exited (code -9)" in e and "1 batch(es) unwritten" in e for e in errors), errors
     assert not writer.alive and "code -9" in writer.failure
     with pytest.raises(SpoolProcessError, match="exited"):
-        writer.submit(_pieces(["y"], [6], ids, aux, final), replies)
+        _submit(writer, ["y"], [6], ids, aux, final, replies)
 
 
 def test_submit_waits_for_a_free_slot(tmp_path):
@@ -158,8 +143,8 @@ def test_submit_waits_for_a_free_slot(tmp_path):
         ids, aux, final = _batch(1, 4, 8, torch.float32)
         first, second = _Replies(), _Replies()
         os.kill(process.pid, signal.SIGSTOP)
-        process.submit(_pieces(["one"], [4], ids, aux, final), first)
-        blocked = threading.Thread(target=process.submit, args=(_pieces(["two"], [4], ids, aux, final), second))
+        _submit(process, ["one"], [4], ids, aux, final, first)
+        blocked = threading.Thread(target=_submit, args=(process, ["two"], [4], ids, aux, final, second))
         blocked.start()
         blocked.join(1.0)
         assert blocked.is_alive(), "the second batch must wait: the only slot is taken"
@@ -182,7 +167,7 @@ def test_a_batch_larger_than_a_slot_is_cut_into_slots_and_a_long_row_into_segmen
         assert process.tokens_per_slot(per_token) == 16
         lengths, rids = [40, 33, 17, 1], ["long-a", "long-b", "long-c", "short-d"]
         replies = _Replies()
-        process.submit(_pieces(rids, lengths, ids, aux, final), replies)
+        _submit(process, rids, lengths, ids, aux, final, replies)
         assert replies.wait() == [None] * 4
         assert len(replies.got) == 1, "one answer for the whole submit"
         starts = {rid: [info.start for info in list_segments(process.spool_dir, rid)] for rid in rids}
@@ -197,44 +182,33 @@ def test_a_batch_larger_than_a_slot_is_cut_into_slots_and_a_long_row_into_segmen
         process.close(timeout=10)
 
 
-def _packed(lengths, ids, aux, final):
-    """The rows of a padded batch packed back to back, as SGLang's hook holds a batch: [sum(lengths), ...]."""
-    return tuple(torch.cat([t[i, :n] for i, n in enumerate(lengths)]) for t in (ids, aux, final))
-
-
-def test_a_packed_batch_becomes_the_same_files_as_its_pieces(tmp_path):
-    """submit_packed (the SGLang hook's path) against submit on the same rows through the same slots of 16
-    tokens: segment for segment the same files, byte for byte, and one answer per segment, a segment of no
-    tokens included; a segment starting past 0 (a chunked prefill's later chunk) keeps its position."""
+def test_a_packed_batch_cut_over_slots_becomes_the_same_files_as_the_in_process_writer(tmp_path):
+    """Segments of a packed batch through slots of 16 tokens: each segment file holds exactly what
+    `write_segment` writes in-process for the same rows and start, one answer per segment, a segment of
+    no tokens included; a segment starting past 0 (a chunked prefill's later chunk) keeps its position."""
     ids, aux, final = _batch(4, 40, 8, torch.bfloat16, seed=9)
     per_token = 8 + 3 * 8 * 2 + 8 * 2
     lengths, rids, starts = [40, 0, 17, 23], ["pa", "pz", "pc", "pd"], [0, 0, 0, 64]
-    spools = {}
-    for way in ("pieces", "packed"):
-        process = SpoolWriterProcess(tmp_path / way, LAYERS, slot_bytes=16 * per_token + 48, slots=2, threads=2)
-        process.start()
-        try:
-            replies = _Replies()
-            if way == "pieces":
-                pieces = [(rid, start, *piece[2:]) for rid, start, piece
-                          in zip(rids, starts, _pieces(rids, lengths, ids, aux, final))]
-                process.submit(pieces, replies)
-            else:
-                process.submit_packed(list(zip(rids, starts, lengths)), *_packed(lengths, ids, aux, final), replies)
-            assert replies.wait() == [None] * 4 and len(replies.got) == 1
-        finally:
-            process.close(timeout=10)
-        spools[way] = process.spool_dir
-    assert [s.start for s in list_segments(spools["packed"], "pd")][0] == 64
-    for rid in ("pa", "pc", "pd"):
-        files = {way: sorted((spool / rid).iterdir()) for way, spool in spools.items()}
-        assert [f.name for f in files["packed"]] == [f.name for f in files["pieces"]] and len(files["packed"]) >= 2
-        for a, b in zip(files["packed"], files["pieces"]):
-            assert _contents(a) == _contents(b), a.name
-    i = rids.index("pc")
-    capture = assemble(spools["packed"], "pc", expected_len=17, expected_input_ids=ids[i, :17].tolist())
-    assert torch.equal(capture.aux_hidden_state, aux[i, :17]) and torch.equal(capture.hidden_state, final[i, :17])
-    assert not (spools["packed"] / "pz").exists()
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=2, threads=2)
+    process.start()
+    try:
+        replies = _Replies()
+        _submit(process, rids, lengths, ids, aux, final, replies, starts=starts)
+        assert replies.wait() == [None] * 4 and len(replies.got) == 1
+    finally:
+        process.close(timeout=10)
+    reference = tmp_path / "reference"
+    for i, rid in enumerate(rids):
+        found = list_segments(process.spool_dir, rid)
+        if not lengths[i]:
+            assert not found and not (process.spool_dir / rid).exists()
+            continue
+        assert found[0].start == starts[i] and len(found) >= 2, [s.start for s in found]
+        bounds = [s.start - starts[i] for s in found] + [lengths[i]]
+        for segment, first, end in zip(found, bounds, bounds[1:]):
+            expected = write_segment(reference, rid, segment.start, ids[i, first:end], aux[i, first:end],
+                                     final[i, first:end], LAYERS)
+            assert _contents(segment.path) == _contents(expected), segment.path.name
 
 
 def test_a_packed_batch_whose_rows_disagree_with_its_table_is_refused(writer):
@@ -248,18 +222,14 @@ def test_a_packed_batch_whose_rows_disagree_with_its_table_is_refused(writer):
     assert replies.wait() == []
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["pieces", "packed"])
-def test_a_child_dying_between_slots_answers_every_piece_once(tmp_path, packed):
+def test_a_child_dying_between_slots_answers_every_piece_once(tmp_path):
     """The first slot is in the (stopped) child's hands and the second waits for a free slot when the
     child is killed: submit returns without raising, and its one answer gives every piece the exit
-    code, the pieces of the slot never handed over included. The same for a packed batch."""
+    code, the pieces of the slot never handed over included."""
     ids, aux, final = _batch(2, 16, 8, torch.float32)
 
     def submit(process, rids, n, replies):
-        if packed:
-            process.submit_packed([(rid, 0, n) for rid in rids], *_packed([n] * len(rids), ids, aux, final), replies)
-        else:
-            process.submit(_pieces(rids, [n] * len(rids), ids, aux, final), replies)
+        _submit(process, rids, [n] * len(rids), ids, aux, final, replies)
 
     per_token = 8 + 3 * 8 * 4 + 8 * 4
     process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=1, threads=1)
@@ -290,7 +260,7 @@ def test_close_right_after_submit_still_writes_the_filled_slots(tmp_path):
     process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=16 * per_token + 48, slots=4, threads=2)
     process.start()
     replies = _Replies()
-    process.submit(_pieces(["c0", "c1", "c2"], [20, 20, 20], ids, aux, final), replies)
+    _submit(process, ["c0", "c1", "c2"], [20, 20, 20], ids, aux, final, replies)
     process.close(timeout=30)
     assert replies.wait() == [None, None, None] and process.failure is None
     for i in range(3):
@@ -300,7 +270,7 @@ def test_close_right_after_submit_still_writes_the_filled_slots(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU box)")
 def test_device_states_are_copied_straight_into_the_pinned_arena(tmp_path):
-    """CUDA pieces: the arena is registered with CUDA on first use and the copies land in it
+    """CUDA states: the arena is registered with CUDA on first use and the copies land in it
     asynchronously, on a side stream as the server issues them; the source tensors are dropped by
     the caller at once (the writer keeps them alive until the copies have landed). The files equal
     the device states, across several slots."""
@@ -314,7 +284,7 @@ def test_device_states_are_copied_straight_into_the_pinned_arena(tmp_path):
         device_aux, device_final = aux.cuda(), final.cuda()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            process.submit(_pieces(["g0", "g1", "g2", "g3"], [40, 39, 1, 25], ids, device_aux, device_final), replies)
+            _submit(process, ["g0", "g1", "g2", "g3"], [40, 39, 1, 25], ids, device_aux, device_final, replies)
         del device_aux, device_final
         assert replies.wait() == [None] * 4 and process.pinned
         for i, n in enumerate([40, 39, 1, 25]):
@@ -323,14 +293,6 @@ def test_device_states_are_copied_straight_into_the_pinned_arena(tmp_path):
     finally:
         process.close(timeout=10)
     assert not process.pinned
-
-
-def test_pieces_of_different_widths_are_refused(writer):
-    ids, aux, final = _batch(1, 4, 8, torch.float32)
-    _, wide_aux, wide_final = _batch(1, 4, 16, torch.float32)
-    with pytest.raises(ValueError, match="same dtypes and state widths"):
-        writer.submit([("a", 0, ids[0], aux[0], final[0]), ("b", 0, ids[0], wide_aux[0], wide_final[0])], _Replies())
-    assert writer.alive
 
 
 def test_too_little_shared_memory_is_refused_before_anything_starts(tmp_path):
