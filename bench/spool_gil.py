@@ -9,11 +9,9 @@ rate, side by side in one run:
 
   alone     nothing written: the stand-in's own calls/s
   threads   `write_segment` on --writers threads in this process (the server's default writers)
-  process   engine.capture.spool_process.SpoolWriterProcess: one copy + one message per batch here,
-            the files written by a child process (EAGLE3_CAPTURE_WRITER=process), the batch handed
-            over as one piece per row (`submit`, the local server's and, before, SGLang's hook's path)
-  packed    the same child, the batch handed over packed with its segment table (`submit_packed`,
-            SGLang's hook's path now): no per-row views on this process's threads
+  packed    engine.capture.spool_process.SpoolWriterProcess (EAGLE3_CAPTURE_WRITER=process): the batch
+            handed over packed with its segment table (`submit_packed`, the path of the local server and
+            of SGLang's hook), one copy + one message a slot here, the files written by a child process
 
 and prints the stand-in's calls/s under each as a ratio of `alone`, with the GB/s actually written.
 The spool is freed by a separate cleaner process (as the extraction job frees it in the server's
@@ -97,7 +95,7 @@ class Feed:
 
         if self.mode == "threads":
             self.threads += [threading.Thread(target=self._write_rows, daemon=True) for _ in range(self.args.writers)]
-        elif self.mode in ("process", "packed"):
+        elif self.mode == "packed":
             self.writer = SpoolWriterProcess(self.spool, LAYERS, slot_bytes=self.batch_bytes + 4096, slots=3,
                                              threads=self.args.writers)
             self.writer.start()
@@ -132,13 +130,10 @@ class Feed:
             if self.mode == "threads":
                 for i, rid in enumerate(rids):
                     self.rows.put((rid, i))
-            elif self.mode == "packed":
+            else:
                 self.writer.submit_packed([(rid, 0, self.args.tokens) for rid in rids], self.ids.view(-1),
                                           self.aux.view(-1, self.aux.shape[-1]), self.final.view(-1, self.final.shape[-1]),
                                           lambda errors: self._done(self.batch_bytes if not any(errors) else 0))
-            else:
-                self.writer.submit([(rid, 0, self.ids[i], self.aux[i], self.final[i]) for i, rid in enumerate(rids)],
-                                   lambda errors: self._done(self.batch_bytes if not any(errors) else 0))
             due += interval
             pause = due - time.perf_counter()
             if pause > 0:
@@ -168,7 +163,7 @@ def main() -> int:
     stop = context.Event()
     cleaner = context.Process(target=_cleaner, args=(str(spool), stop), daemon=True)
     cleaner.start()
-    figures: dict[str, list[tuple[float, float]]] = {"alone": [], "threads": [], "process": [], "packed": []}
+    figures: dict[str, list[tuple[float, float]]] = {"alone": [], "threads": [], "packed": []}
     try:
         for _ in range(args.repeats):
             for mode in figures:
@@ -188,13 +183,12 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} cores; offered {args.gb_s} GB/s in batches of {args.rows} x {args.tokens} "
           f"tokens, hidden {args.hidden}, bf16, {args.writers} writer threads, {args.repeats} passes")
     print(f"alone: {alone:,.0f} launcher calls/s")
-    for mode in ("threads", "process", "packed"):
+    for mode in ("threads", "packed"):
         for calls, gb_s in figures[mode]:
             print(f"{mode:8s} launcher at {calls / alone:.3f} of alone while writing {gb_s:.2f} GB/s")
-    kept = {mode: statistics.median(c for c, _ in figures[mode]) / alone for mode in ("threads", "process", "packed")}
-    print(f"launcher kept (median of {args.repeats}): threads {kept['threads']:.3f}, process {kept['process']:.3f}, "
-          f"packed {kept['packed']:.3f} (process / threads {kept['process'] / kept['threads']:.2f}x, "
-          f"packed / process {kept['packed'] / kept['process']:.2f}x)")
+    kept = {mode: statistics.median(c for c, _ in figures[mode]) / alone for mode in ("threads", "packed")}
+    print(f"launcher kept (median of {args.repeats}): threads {kept['threads']:.3f}, writer process (packed) "
+          f"{kept['packed']:.3f} (process / threads {kept['packed'] / kept['threads']:.2f}x)")
     return 0
 
 

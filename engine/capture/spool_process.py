@@ -13,10 +13,10 @@ consecutive segments (a batch too large for one slot used to fall back to the se
 threads, the path this process exists to avoid). The child writes the segments with `write_segment`
 (the same files, byte for byte, as the in-process writers) on its own threads and answers with one
 error per segment. A slot is reused once its reply is back, so at most `slots` slots are in the
-child's hands; `submit` blocks for a free one (backpressure, as the writer queue does in-process).
+child's hands; `submit_packed` blocks for a free one (backpressure, as the writer queue does in-process).
 
 If the child dies, every batch it held is answered with an error naming the exit code (the
-extraction job retries those requests) and `submit` raises `SpoolProcessError`: the caller
+extraction job retries those requests) and `submit_packed` raises `SpoolProcessError`: the caller
 falls back to in-process writers.
 """
 
@@ -73,12 +73,8 @@ class SpoolProcessError(EngineError, RuntimeError):
     """The writer process cannot take (more) batches; the message says why and what to do."""
 
 
-# One segment handed to `submit`: rid, start position, ids [n], aux [n, k*H], final [n, H].
-Piece = tuple[str, int, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
 class _Gather:
-    """One `submit`'s answer, put together from its slots' replies: one error (or None) per piece,
+    """One `submit_packed`'s answer, put together from its slots' replies: one error (or None) per piece,
     a piece cut over several slots keeping its first error; `on_done` once the last slot is back."""
 
     def __init__(self, pieces: int, slots: int, on_done: Callable[[list[str | None]], None]) -> None:
@@ -106,7 +102,7 @@ class _Filled:
     base: int
     rows: list[tuple[str, int, int, int]]
     blocks: list[_Block]
-    pieces: list[int]  # index of each row's piece in its submit
+    pieces: list[int]  # index of each row's segment in its batch
     gather: _Gather
     landed: Any  # torch.cuda.Event after the copies, or None (host copies are done)
     keep: list  # the source tensors, alive until the copies have landed
@@ -152,23 +148,6 @@ def shm_room_problem(nbytes: int, directory: str = SHM_DIR) -> str | None:
 def _padded(nbytes: int, alignment: int = 16) -> int:
     """Sizes rounded up to `alignment` bytes, so every block starts aligned for any dtype."""
     return nbytes + (-nbytes % alignment)
-
-
-def _coalesced(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Row blocks in order, each block that continues the previous one in the same storage merged into
-    it (one view over both); the rest as they are."""
-    merged: list[torch.Tensor] = []
-    for block in blocks:
-        last = merged[-1] if merged else None
-        if (last is not None and last.is_contiguous() and block.is_contiguous() and last.dtype == block.dtype
-                and last.device == block.device and last.shape[1:] == block.shape[1:]
-                and last.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
-                and last.storage_offset() + last.numel() == block.storage_offset()):
-            merged[-1] = last.as_strided((last.shape[0] + block.shape[0], *last.shape[1:]), last.stride(),
-                                         last.storage_offset())
-        else:
-            merged.append(block)
-    return merged
 
 
 def _cut(counts: Sequence[int], room: int) -> list[list[tuple[int, int, int]]]:
@@ -352,37 +331,21 @@ class SpoolWriterProcess:
         """How many tokens of `per_token` bytes (ids and every state) one slot holds, packed."""
         return max(0, (self.slot_bytes - _BLOCK_SLACK) // per_token)
 
-    def submit(self, pieces: Sequence[Piece], on_done: Callable[[list[str | None]], None]) -> None:
-        """Hand these segments to the child: piece i is (rid, start position, ids [n], aux [n, k*H],
-        final [n, H]) on the host, views welcome. They are packed one after another into as many slots
-        as they need; a piece longer than a slot's room becomes consecutive segments of its request
-        (the spool's reader joins them, as it joins SGLang's chunked prefill). Host pieces are copied
-        before this returns (the caller may reuse them). CUDA pieces are copied on the current stream,
-        straight into the arena (registered with CUDA on first use): the copies are queued, a slot goes
-        to the child once its copies have landed, and the pieces are kept alive until then. Blocks
-        while every slot is in the child's hands. `on_done(errors)` is called once, later, from
-        another thread, with one None or error message per piece.
-
-        SpoolProcessError only when nothing was handed over (the child is gone); if it dies between
-        two slots, the pieces not handed over are answered with that error instead."""
-        if not pieces:
-            on_done([])
-            return
-        slots = []
-        for parts in self._plan(pieces):
-            # Rows that sit back to back (a batch of full-width rows) go in one copy, not one a row: each
-            # copy is a launch the model thread pays for.
-            sources = [_coalesced([pieces[index][2:][kind][first:first + n] for index, first, n in parts])
-                       for kind in range(3)]
-            slots.append((_slot_rows(parts, pieces), [index for index, *_ in parts], sources))
-        self._hand_over(slots, len(pieces), on_done)
-
     def submit_packed(self, segments: Sequence[tuple[str, int, int]], ids: torch.Tensor, aux: torch.Tensor,
                       final: torch.Tensor, on_done: Callable[[list[str | None]], None]) -> None:
-        """`submit` for segments whose rows sit back to back in one packed batch: segment i is (rid, start
-        position, tokens) and its rows follow segment i-1's in ids [T], aux [T, k*H], final [T, H]. The same
-        slots, files and answers (one per segment), with one copy a tensor a slot and no per-segment view:
-        in a server the Python between two batches runs on threads that share the scheduler's GIL."""
+        """Hand a packed batch to the child: segment i is (rid, start position, tokens) and its rows follow
+        segment i-1's in ids [T], aux [T, k*H], final [T, H]. The rows are packed into as many slots as they
+        need, one copy a tensor a slot and no per-segment view (in a server the Python between two batches
+        runs on threads that share the scheduler's GIL); a segment longer than a slot's room becomes
+        consecutive segments of its request (the spool's reader joins them, as it joins SGLang's chunked
+        prefill). Host tensors are copied before this returns (the caller may reuse them). CUDA tensors are
+        copied on the current stream, straight into the arena (registered with CUDA on first use): a slot
+        goes to the child once its copies have landed, and the tensors are kept alive until then. Blocks
+        while every slot is in the child's hands. `on_done(errors)` is called once, later, from another
+        thread, with one None or error message per segment.
+
+        SpoolProcessError only when nothing was handed over (the child is gone); if it dies between two
+        slots, the segments not handed over are answered with that error instead."""
         counts = [int(n) for _, _, n in segments]
         if any(n < 0 for n in counts) or not ids.shape[0] == aux.shape[0] == final.shape[0] == sum(counts):
             raise ValueError(f"a packed batch of {ids.shape[0]}/{aux.shape[0]}/{final.shape[0]} rows (ids/aux/final) "
@@ -405,21 +368,10 @@ class SpoolWriterProcess:
             raise ValueError(f"a shared-memory slot of {self.slot_bytes} bytes holds no token of {per_token} bytes")
         return room
 
-    def _plan(self, pieces: Sequence[Piece]) -> list[list[tuple[int, int, int]]]:
-        """Pieces cut into slots: per slot, (piece index, first token, tokens) in packing order."""
-        _, _, ids, aux, final = pieces[0]
-        widths = (ids.dtype, aux.shape[-1], aux.dtype, final.shape[-1], final.dtype)
-        if any((p[2].dtype, p[3].shape[-1], p[3].dtype, p[4].shape[-1], p[4].dtype) != widths for p in pieces):
-            raise ValueError("every piece of one submit needs the same dtypes and state widths")
-        for index, (_, _, ids, aux, final) in enumerate(pieces):
-            if not ids.shape[0] == aux.shape[0] == final.shape[0]:
-                raise ValueError(f"piece {index}: ids, aux and final disagree on the token count")
-        return _cut([int(piece[2].shape[0]) for piece in pieces], self._room(*pieces[0][2:]))
-
     def _hand_over(self, slots: list[tuple[list[tuple[str, int, int, int]], list[int], list[list[torch.Tensor]]]],
                    count: int, on_done: Callable[[list[str | None]], None]) -> None:
-        """Fill the slots one after another (rows, the index of each row's piece, its sources) and answer
-        the submit's `count` pieces once; see submit for what a child dying between two slots does."""
+        """Fill the slots one after another (rows, the index of each row's segment, its sources) and answer
+        the batch's `count` segments once; see submit_packed for what a child dying between two slots does."""
         if not slots:  # pieces of no tokens: nothing to write
             on_done([None] * count)
             return
