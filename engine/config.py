@@ -164,6 +164,10 @@ class ExtractConfig:
     concurrency: int = setting(4, low=1, high=4096, help="requests in flight")
     endpoints: list[str] = setting(factory=list, help="extra server URLs for data-parallel extraction")
     max_retries: int = setting(2, low=0, high=1000, help="retries of a failed sample before it counts as bad")
+    # SGLang answers before its capture hook has written the states (the local server answers after).
+    capture_wait_s: float = setting(30.0, low=0, high=3600,
+                                    help="how long a sample's capture may take to reach the spool after the server "
+                                         "answered, before the sample is retried")
     # engine/aux_fp8.py; issue 22 ships fp8 only once the GPU end to end shows acceptance within 2 % of bf16
     # (bench/gpu_end_to_end.py --compare-fp8), so the default stays bf16.
     aux_format: str = setting("bf16", choices=("bf16", "fp8"),

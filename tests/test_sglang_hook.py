@@ -344,3 +344,53 @@ def test_cuda_copies_run_beside_the_forward_and_keep_their_sources_alive(tmp_pat
         cap = assemble(spool, rid, expected_len=length, expected_input_ids=ids.tolist())
         assert torch.equal(cap.aux_hidden_state, aux) and torch.equal(cap.hidden_state, final)
     del junk, staged
+
+
+def test_the_extraction_job_reads_a_capture_the_hook_writes_after_the_answer(tmp_path):
+    """SGLang answers a request once its forward is done; the hook's writer process writes the states
+    after that. Here the writer child is held (SIGSTOP) as the batch arrives, so when the answer would
+    be out the spool has nothing: a plain read fails, which made the extraction job retry (recapture)
+    such samples and, after extract.max_retries, call them bad. The job's read waits
+    (extract.capture_wait_s) and writes the exact record once the child goes on; a capture that never
+    comes ends the wait with an error saying so."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from engine.capture.segments import CaptureIncomplete, open_capture
+    from engine.extract.job import Extractor
+    from engine.extract.plan import PlannedSample
+    from engine.records import load_record
+    from tests.helpers.workspaces import console_workspace
+
+    ws = console_workspace(tmp_path, **{"extract.capture_wait_s": 30.0})
+    hook = CaptureHook(str(ws.spool_dir), LAYERS, rank_fn=lambda: 0, writer="process")
+    module = LogitsProcessor()
+    module.register_forward_hook(hook)
+    held = None
+    try:
+        run_batch(module, Batch(ForwardMode.EXTEND, ["warm"], [4], [0]), [full_states(1, 4)])  # starts the child
+        assert hook.flush(60) and hook.writer_state == "process"
+        held = hook.writer_pid
+        ids, aux, final = full_states(7, 12)
+        os.kill(held, signal.SIGSTOP)
+        run_batch(module, Batch(ForwardMode.EXTEND, ["late"], [12], [0]), [(ids, aux, final)])  # SGLang answers now
+        with pytest.raises(CaptureIncomplete, match="no capture segments for request 'late'"):
+            open_capture(ws.spool_dir, "late", 12, ids.tolist())
+        with pytest.raises(CaptureIncomplete, match=r"'never'.*after waiting 0.2 s for the server's capture writer"):
+            open_capture(ws.spool_dir, "never", 4, wait_s=0.2)
+        threading.Timer(0.5, os.kill, (held, signal.SIGCONT)).start()
+        started = time.monotonic()
+        sample = PlannedSample(index=0, id="s0", input_ids=ids.tolist(), loss_mask=[1] * 12)
+        entry = Extractor(ws).write_capture(sample, "late", H, tmp_path / "run", 0, "s0")
+        assert time.monotonic() - started >= 0.4, "the record was written before the capture existed"
+        held = None
+        record = load_record(tmp_path / "run", entry)
+        assert torch.equal(record["aux_hidden_state"], aux) and torch.equal(record["hidden_state"], final)
+        assert record["input_ids"].tolist() == ids.tolist()
+        assert not (ws.spool_dir / "late").exists(), "the spool is released once the record is written"
+    finally:
+        if held is not None:
+            os.kill(held, signal.SIGCONT)
+        hook.close()

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,16 @@ _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 class SegmentError(EngineError, ValueError):
     """A segment is malformed, or the segments of one rid do not fit together."""
+
+
+# open_capture's re-reads of an incomplete capture: 2 ms first (a writer a batch behind), then doubling to 50 ms.
+FIRST_PAUSE_S, MAX_PAUSE_S = 0.002, 0.05
+
+
+class CaptureIncomplete(SegmentError):
+    """The segments of one rid fit together so far but do not cover the request yet: none, a gap, or
+    fewer tokens than expected. A server whose writer is still at work shows this (SGLang answers a
+    request before its hook's writer has written the states); a truncated prefill does too."""
 
 
 @dataclass(frozen=True)
@@ -298,12 +309,37 @@ def open_capture(
     rid: str,
     expected_len: int | None = None,
     expected_input_ids: Sequence[int] | None = None,
+    wait_s: float = 0.0,
 ) -> SpooledCapture:
     """Open the segments of `rid` as one capture covering positions 0 .. T-1, checked as `assemble`
-    checks them, without reading the states."""
+    checks them, without reading the states.
+
+    `wait_s` > 0: an incomplete capture (CaptureIncomplete) is read again, more slowly each time, until
+    it is complete or `wait_s` has passed. SGLang answers a request once its forward is done and the
+    capture hook's writer writes the segments after that, so a reader that opens the spool on the
+    answer may be early; a wrong capture (overlap, other ids or widths) fails at once."""
+    deadline = time.monotonic() + wait_s
+    pause = FIRST_PAUSE_S
+    while True:
+        try:
+            return _open_once(spool_dir, rid, expected_len, expected_input_ids)
+        except CaptureIncomplete as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if wait_s <= 0:
+                    raise
+                raise CaptureIncomplete(
+                    f"{exc}; still so after waiting {wait_s:g} s for the server's capture writer: it is behind "
+                    "or failed (see the server log), or the prefill was cut short") from None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, MAX_PAUSE_S)
+
+
+def _open_once(spool_dir: str | os.PathLike, rid: str, expected_len: int | None,
+               expected_input_ids: Sequence[int] | None) -> SpooledCapture:
     segments = list_segments(spool_dir, rid)
     if not segments:
-        raise SegmentError(f"no capture segments for request {rid!r} in {spool_dir}")
+        raise CaptureIncomplete(f"no capture segments for request {rid!r} in {spool_dir}")
     capture = SpooledCapture(rid, [], 0, "", b"", [])
     ids_parts: list[bytes] = []
     first_meta: dict[str, str] | None = None
@@ -320,7 +356,7 @@ def open_capture(
             ids, aux, final = (segment.blocks[name] for name in _TENSORS)
             n = ids.shape[0] if len(ids.shape) == 1 and ids.dtype == "I64" else -1
             if info.start > position:
-                raise SegmentError(
+                raise CaptureIncomplete(
                     f"gap in capture of {rid!r}: positions {position}..{info.start - 1} are missing "
                     f"(next segment {info.path.name} starts at {info.start})"
                 )
@@ -355,7 +391,7 @@ def open_capture(
             ids_parts.append(data)
             position = info.start + n
         if expected_len is not None and position != expected_len:
-            raise SegmentError(
+            raise (CaptureIncomplete if position < expected_len else SegmentError)(
                 f"capture of {rid!r} covers {position} tokens, expected {expected_len} "
                 "(a truncated prefill, or a prefix served from cache?)"
             )
@@ -379,13 +415,15 @@ def assemble(
     rid: str,
     expected_len: int | None = None,
     expected_input_ids: Sequence[int] | None = None,
+    wait_s: float = 0.0,
 ) -> AssembledCapture:
     """Stitch the segments of `rid` into one capture covering positions 0 .. T-1.
 
     Raises SegmentError on: no segments, a gap, an overlap, mismatched layers/shape/dtype,
     a total length other than `expected_len`, or token ids other than `expected_input_ids`.
+    `wait_s`: see open_capture.
     """
-    with open_capture(spool_dir, rid, expected_len, expected_input_ids) as capture:
+    with open_capture(spool_dir, rid, expected_len, expected_input_ids, wait_s) as capture:
         return AssembledCapture(
             input_ids=torch.frombuffer(bytearray(capture.input_ids), dtype=torch.int64),
             aux_hidden_state=capture.tensor("aux_hidden_state"),

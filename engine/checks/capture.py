@@ -16,16 +16,20 @@ from engine.checks.context import CheckContext
 from engine.checks.server import START_FIX, probe_prompt_ids, settings_check
 
 
-def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server_next: int) -> list[CheckResult]:
+def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server_next: int,
+             wait_s: float) -> list[CheckResult]:
     import torch
 
-    from engine.capture.segments import SegmentError, assemble
+    from engine.capture.segments import CaptureIncomplete, SegmentError, assemble
     from engine.model.target import text_config
     from engine.model.lmhead import LmHeadError, load_lm_head
 
     hidden = int(text_config(model_dir)["hidden_size"])
     try:
-        cap = assemble(spool_dir, rid)
+        try:  # the whole prompt, once the server's writer has written it (SGLang answers first)
+            cap = assemble(spool_dir, rid, len(sent), wait_s=wait_s)
+        except CaptureIncomplete:
+            cap = assemble(spool_dir, rid)  # what there is, for the checks below to name
     except (SegmentError, FileNotFoundError, OSError) as exc:
         return [failed("tokens", f"no usable capture for rid {rid}: {exc}",
                        "the server did not write segments: check it was started with capture on (server stage)")]
@@ -104,7 +108,8 @@ async def check_capture(ctx: CheckContext) -> list[CheckResult]:
     if not result.output_ids:
         return results + [failed("request", "server generated no token", "check the server log")]
     try:
-        results += await asyncio.to_thread(_analyse, spool, rid, sent, ctx.workspace.model_dir, int(result.output_ids[0]))
+        results += await asyncio.to_thread(_analyse, spool, rid, sent, ctx.workspace.model_dir, int(result.output_ids[0]),
+                                           ctx.config.extract.capture_wait_s)
     finally:
         await asyncio.to_thread(release, spool, rid)
     return results

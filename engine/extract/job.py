@@ -363,7 +363,8 @@ class Extractor:
 
         rid = await self.request(client, sample, attempt)
         try:
-            return await asyncio.to_thread(assemble, self.spool, rid, len(sample.input_ids), sample.input_ids)
+            return await asyncio.to_thread(assemble, self.spool, rid, len(sample.input_ids), sample.input_ids,
+                                           self.cfg.extract.capture_wait_s)
         except (SegmentError, OSError) as exc:
             raise SampleFailed(str(exc)) from None
         finally:
@@ -384,7 +385,8 @@ class Extractor:
 
         try:
             try:
-                capture = open_capture(self.spool, rid, len(sample.input_ids), sample.input_ids)
+                capture = open_capture(self.spool, rid, len(sample.input_ids), sample.input_ids,
+                                       self.cfg.extract.capture_wait_s)
             except (SegmentError, OSError) as exc:
                 raise SampleFailed(str(exc)) from None
             with capture:
