@@ -70,7 +70,8 @@ def test_second_start_reuses_the_running_server(running):
 
 
 def test_capture_stage_fails_when_server_runs_without_capture(chat_model_dir, tmp_path):
-    ws = make_ws(tmp_path, chat_model_dir)
+    # The probe waits extract.capture_wait_s for segments that may come after the answer (SGLang); none come here.
+    ws = make_ws(tmp_path, chat_model_dir, **{"extract.capture_wait_s": 1.0})
     manager = ServerManager(ws)
     asyncio.run(manager.start(capture=False))
     try:
@@ -81,6 +82,7 @@ def test_capture_stage_fails_when_server_runs_without_capture(chat_model_dir, tm
         capture = asyncio.run(pipeline.run_stage("capture"))
         assert capture.state.value == "failed"
         assert "no usable capture" in capture.results[-1].evidence
+        assert "after waiting 1 s for the server's capture writer" in capture.results[-1].evidence
     finally:
         asyncio.run(manager.stop(grace=5))
 

@@ -28,8 +28,11 @@ def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server
     try:
         try:  # the whole prompt, once the server's writer has written it (SGLang answers first)
             cap = assemble(spool_dir, rid, len(sent), wait_s=wait_s)
-        except CaptureIncomplete:
-            cap = assemble(spool_dir, rid)  # what there is, for the checks below to name
+        except CaptureIncomplete as waited:
+            try:
+                cap = assemble(spool_dir, rid)  # what there is, for the checks below to name
+            except CaptureIncomplete:
+                raise waited from None
     except (SegmentError, FileNotFoundError, OSError) as exc:
         return [failed("tokens", f"no usable capture for rid {rid}: {exc}",
                        "the server did not write segments: check it was started with capture on (server stage)")]
