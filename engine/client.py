@@ -186,6 +186,30 @@ def _foreign_message(where: str, response: httpx.Response, owner: str | None, po
             f"(reply: {_excerpt(response.text) or '(empty body)'})")
 
 
+def generate_body(input_ids: list[int] | None = None, text: str | None = None, max_new_tokens: int = 16,
+                  temperature: float = 0.0, rid: str | None = None, stop_token_ids: list[int] | None = None,
+                  seed: int | None = None, stream: bool = False) -> dict[str, Any]:
+    """The JSON body of a POST /generate, in SGLang's GenerateReqInput and SamplingParams field names
+    (tests/test_sglang_requests.py has SGLang 0.5.23's own classes parse and verify every body we send)."""
+    if (input_ids is None) == (text is None):
+        raise ValueError("pass exactly one of input_ids or text")
+    sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+    if stop_token_ids:
+        sampling["stop_token_ids"] = list(stop_token_ids)
+    if seed is not None:
+        sampling["sampling_seed"] = seed
+    body: dict[str, Any] = {"sampling_params": sampling}
+    if input_ids is not None:
+        body["input_ids"] = list(input_ids)
+    else:
+        body["text"] = text
+    if rid is not None:
+        body["rid"] = rid
+    if stream:
+        body["stream"] = True
+    return body
+
+
 class ServerClient:
     """`async with ServerClient("http://127.0.0.1:30000") as client: await client.generate(...)`"""
 
@@ -325,33 +349,10 @@ class ServerClient:
     async def model_info(self) -> dict[str, Any]:
         return await self._json_object("/model_info")
 
-    @staticmethod
-    def _generate_body(input_ids: list[int] | None, text: str | None, max_new_tokens: int,
-                       temperature: float, rid: str | None, stop_token_ids: list[int] | None,
-                       seed: int | None, stream: bool) -> dict[str, Any]:
-        if (input_ids is None) == (text is None):
-            raise ValueError("pass exactly one of input_ids or text")
-        sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature}
-        if stop_token_ids:
-            sampling["stop_token_ids"] = list(stop_token_ids)
-        if seed is not None:
-            sampling["sampling_seed"] = seed
-        body: dict[str, Any] = {"sampling_params": sampling}
-        if input_ids is not None:
-            body["input_ids"] = list(input_ids)
-        else:
-            body["text"] = text
-        if rid is not None:
-            body["rid"] = rid
-        if stream:
-            body["stream"] = True
-        return body
-
     async def generate(self, input_ids: list[int] | None = None, text: str | None = None,
                        max_new_tokens: int = 16, temperature: float = 0.0, rid: str | None = None,
                        stop_token_ids: list[int] | None = None, seed: int | None = None) -> GenerateResult:
-        body = self._generate_body(input_ids, text, max_new_tokens, temperature, rid, stop_token_ids,
-                                   seed, stream=False)
+        body = generate_body(input_ids, text, max_new_tokens, temperature, rid, stop_token_ids, seed, stream=False)
         return parse_generate_reply(await self._json("POST", "/generate", body), "POST /generate")
 
     async def generate_stream(self, input_ids: list[int] | None = None, text: str | None = None,
@@ -359,8 +360,7 @@ class ServerClient:
                               stop_token_ids: list[int] | None = None,
                               seed: int | None = None) -> AsyncIterator[StreamChunk]:
         """Yield one StreamChunk per SSE event until `data: [DONE]`."""
-        body = self._generate_body(input_ids, text, max_new_tokens, temperature, rid, stop_token_ids,
-                                   seed, stream=True)
+        body = generate_body(input_ids, text, max_new_tokens, temperature, rid, stop_token_ids, seed, stream=True)
         where = f"POST {self.base_url}/generate (stream)"
         try:
             async with self._http.stream("POST", "/generate", json=body) as response:

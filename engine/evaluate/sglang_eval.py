@@ -261,11 +261,10 @@ def schedule(levels: list[int], rounds: int) -> list[tuple[int, int]]:
 async def _generate(http: Any, where: str, input_ids: list[int], max_new_tokens: int) -> GenerateResult:
     import httpx
 
-    from engine.client import ServerReplyError, parse_generate_reply
+    from engine.client import ServerReplyError, generate_body, parse_generate_reply
 
-    body = {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
     try:
-        response = await http.post("/generate", json=body)
+        response = await http.post("/generate", json=generate_body(input_ids, max_new_tokens=max_new_tokens))
     except httpx.HTTPError as exc:
         raise SglangEvalError(f"{where}: /generate failed ({type(exc).__name__}: {exc}); see the server "
                               "job's log in the Jobs pane") from None
