@@ -295,3 +295,35 @@ def test_in_flight_temp_is_invisible_to_readers_and_freed_by_release(tmp_path):
         publish_via_path(segment_path(tmp_path, "busy", 3), writer)
     assert seen == {"segments": [0], "release": 1}
     assert not (tmp_path / "busy").exists()
+
+
+def test_a_capture_written_after_the_read_began_is_waited_for_and_a_wrong_one_is_not(tmp_path):
+    """A chunked prefill's segments landing out of order while the reader waits (the later chunk
+    first, then the gap filled): the read returns the whole capture. A capture that cannot become
+    right by waiting (overlapping segments, other token ids) fails at once, not after `wait_s`."""
+    import threading
+    import time
+
+    from engine.capture.segments import CaptureIncomplete
+
+    first, second = make_states(5), make_states(4, 5)
+    write_segment(tmp_path, "late", 5, *second, LAYERS)
+    timer = threading.Timer(0.3, write_segment, (tmp_path, "late", 0, *first, LAYERS))
+    timer.start()
+    started = time.monotonic()
+    capture = assemble(tmp_path, "late", expected_len=9, expected_input_ids=list(range(9)), wait_s=30)
+    assert 0.25 <= time.monotonic() - started < 10
+    assert torch.equal(capture.aux_hidden_state, torch.cat([first[1], second[1]]))
+    with pytest.raises(CaptureIncomplete, match="gap in capture"):  # no wait asked: the old answer
+        write_segment(tmp_path, "gap", 3, *make_states(2, 3), LAYERS)
+        assemble(tmp_path, "gap", expected_len=5)
+    write_segment(tmp_path, "wrong", 0, *make_states(4, 100), LAYERS)
+    write_segment(tmp_path, "overlap", 0, *make_states(4), LAYERS)
+    write_segment(tmp_path, "overlap", 2, *make_states(4, 2), LAYERS)
+    for rid, expected_ids, message in (("wrong", list(range(4)), "differ from the ids that were sent"),
+                                       ("overlap", None, "overlap in capture")):
+        started = time.monotonic()
+        with pytest.raises(SegmentError, match=message) as caught:
+            assemble(tmp_path, rid, expected_len=4 if rid == "wrong" else 6, expected_input_ids=expected_ids,
+                     wait_s=30)
+        assert not isinstance(caught.value, CaptureIncomplete) and time.monotonic() - started < 5
