@@ -12,6 +12,7 @@ server's stream bench).
 from __future__ import annotations
 
 import json
+import re
 
 from sglang_judge.wheel import run_with_sglang
 
@@ -77,3 +78,29 @@ def test_sglang_accepts_every_body_we_send_and_reads_what_we_meant(sglang_import
     assert judged["stream bench"]["stream"] is True and judged["evaluation"]["stream"] is False
     assert judged["seeded"]["seed"] == 1234 and not judged["seeded"]["greedy"]
     assert judged["text"]["text"] == "hello" and judged["text"]["input_ids"] is None
+
+
+# The reply's meta_info keys the engine reads from SGLang, and who reads them.
+META_KEYS_READ = {
+    "finish_reason": "engine/client.py (the finish kind), engine/dataset/regenerate.py",
+    "prompt_tokens": "engine/extract/job.py and the capture probe: the server counted every token sent",
+    "cached_tokens": "engine/extract/job.py and the capture probe: 0, or rows were never computed",
+    "completion_tokens": "engine/server/bench.py, engine/evaluate/sglang_eval.py",
+    "spec_verify_ct": "engine/evaluate/sglang_eval.py: acceptance = completion / verify steps",
+    "spec_accept_length": "engine/evaluate/sglang_eval.py",
+    "spec_correct_drafts_histogram": "engine/evaluate/sglang_eval.py: acceptance per draft position",
+}
+
+
+def _sets_meta_key(source: str, key: str) -> bool:
+    return re.search(rf'(meta_info\[\s*"{key}"\s*\]\s*=|"{key}"\s*:)', source) is not None
+
+
+def test_every_meta_info_key_we_read_is_one_sglang_sets(sglang_src):
+    """SGLang 0.5.23's tokenizer manager builds the reply's meta_info: every key we read is set there
+    (a renamed key would read as None and silently pass or fail a check). The 0.5.9 histogram name we
+    still accept as a fallback is not set by 0.5.23, which shows the search can come back empty."""
+    source = (sglang_src / "managers" / "tokenizer_manager.py").read_text(encoding="utf-8")
+    missing = {key: reader for key, reader in META_KEYS_READ.items() if not _sets_meta_key(source, key)}
+    assert not missing, missing
+    assert not _sets_meta_key(source, "spec_accept_histogram")

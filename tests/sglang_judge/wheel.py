@@ -58,12 +58,12 @@ def sglang_wheel(sglang_cache) -> Path:
 @pytest.fixture(scope="session")
 def sglang_src(sglang_wheel, sglang_cache) -> Path:
     src = sglang_cache / "src"
-    marker = src / ".complete-2"
+    marker = src / ".complete-3"
     if not marker.exists():
         with zipfile.ZipFile(sglang_wheel) as wheel:
             for name in wheel.namelist():
                 if name.startswith(("sglang/srt/arg_groups/", "sglang/srt/model_executor/", "sglang/srt/models/",
-                                    "sglang/srt/constants.py")):
+                                    "sglang/srt/constants.py", "sglang/srt/managers/tokenizer_manager.py")):
                     wheel.extract(name, src)
         marker.write_text("ok")
     return src / "sglang" / "srt"
