@@ -319,3 +319,26 @@ def test_a_job_refuses_to_start_when_no_server_runs_or_answers(tiny_chat_model_d
         asyncio.run(Extractor(ws).run())
     assert time.monotonic() - started < 30
     assert not (ws.hidden_dir / "manifest.jsonl").exists()
+
+
+def test_a_capture_written_after_its_rid_was_given_up_on_is_freed_when_the_run_ends(server_ws):
+    """A writer that runs past extract.capture_wait_s writes a rid the job has already released and
+    retried: at the end of the run (no request in flight) this session's strays are freed with the
+    earlier sessions'; a rid of another workspace sharing the spool is left alone."""
+    from engine.capture.segments import write_segment
+
+    ws = server_ws
+    extractor = Extractor(ws)
+    states = (torch.arange(3), torch.zeros(3, 3 * 8, dtype=torch.bfloat16), torch.zeros(3, 8, dtype=torch.bfloat16))
+    stray, foreign = f"x999-{extractor.tag}-a0", "x5-abcdef-a0"
+
+    def event(kind, **data):
+        if kind == "started":  # mid-run: the late write of a rid given up on, and another workspace's capture
+            write_segment(ws.spool_dir, stray, 0, *states, [1, 2, 3])
+            write_segment(ws.spool_dir, foreign, 0, *states, [1, 2, 3])
+
+    extractor.event = event
+    assert asyncio.run(extractor.run()) == 0
+    assert (ws.spool_dir / foreign).is_dir(), "another workspace's capture is not ours to free"
+    assert not (ws.spool_dir / stray).exists(), "this session's stray capture stays on the spool (often tmpfs)"
+    _assert_exactly_once(ws)

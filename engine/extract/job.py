@@ -256,16 +256,20 @@ class Extractor:
         return await asyncio.get_running_loop().run_in_executor(self._writes, fn, *args)
 
     # -- spool of earlier sessions
-    def release_stale_spool(self) -> int:
+    def release_stale_spool(self, own: bool = False) -> int:
         """Free the captures of earlier sessions of this run: a job killed with requests in flight
         leaves their segments in the spool (often tmpfs) for good. Only our own sessions' rids are
-        touched, since several workspaces may share one spool directory."""
+        touched, since several workspaces may share one spool directory. `own`: this session's too,
+        once no request is in flight (a writer that ran past extract.capture_wait_s writes a rid the
+        job has already released and retried)."""
         from engine.capture.segments import SegmentError, release
 
         try:
-            tags = set((self.run_dir / SPOOL_SESSIONS).read_text(encoding="utf-8").split()) - {self.tag}
+            tags = set((self.run_dir / SPOOL_SESSIONS).read_text(encoding="utf-8").split())
         except FileNotFoundError:
             return 0
+        if not own:
+            tags.discard(self.tag)
         removed = 0
         if not tags:
             return 0
@@ -633,7 +637,7 @@ class Extractor:
         # Sizes only: this session hashed its records as it wrote them, and the start of the
         # session verified the earlier ones (re-reading gigabytes here would prove nothing new).
         final = check_run(self.run_dir, hidden, deep=False, recent=0)
-        self.release_stale_spool()  # a killed session's late captures, written after our start
+        self.release_stale_spool(own=True)  # late captures: a killed session's, and ours given up on
         covered = set(final.good)
         missing = [s.id for s in plan.samples if s.id not in covered and s.id not in self.bad]
         if missing:
