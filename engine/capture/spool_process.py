@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from engine.errors import EngineError, one_line
+from engine.io.env import whole_number_from_env
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
 SLOT_TOKENS_ENV = "EAGLE3_CAPTURE_SLOT_TOKENS"  # tokens one slot holds, for the local server and the SGLang hook
@@ -49,13 +50,8 @@ WRITER_MODES = ("process", "threads")  # the first is the default
 def slot_tokens_from_env(default: int) -> int:
     """EAGLE3_CAPTURE_SLOT_TOKENS if set, else `default`. A bad value is refused (ValueError naming the
     variable and the fix), never replaced: the operator set it for a reason."""
-    raw = os.environ.get(SLOT_TOKENS_ENV, "").strip()
-    if not raw:
-        return default
-    if raw.isdigit() and 1 <= int(raw) <= MAX_SLOT_TOKENS:
-        return int(raw)
-    raise ValueError(f"{SLOT_TOKENS_ENV}={raw!r} is not a whole number of tokens from 1 to {MAX_SLOT_TOKENS:,}: "
-                     f"give one in that range, or unset it for slots of {default:,} tokens")
+    return whole_number_from_env(SLOT_TOKENS_ENV, default, MAX_SLOT_TOKENS, "a whole number of tokens",
+                                 f"slots of {default:,} tokens")
 
 
 def writer_mode_from_env() -> str:

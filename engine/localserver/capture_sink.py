@@ -192,8 +192,8 @@ class CaptureSink:
         """Hand a batch's captured rows to the writer process; False: the writer threads take it.
 
         Packed whole (`submit_packed`: the rows of every request back to back, a segment table beside
-        them): on this thread, the one that launches the model, a per-request piece list costs the
-        planning and view-making that `submit` does for each of them."""
+        them): this thread launches the model, and a view or plan per request would cost it a few torch
+        calls each."""
         import torch
 
         from engine.capture.spool_process import SpoolProcessError

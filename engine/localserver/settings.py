@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from engine.capture.spool_process import DEFAULT_SLOT_TOKENS, slot_tokens_from_env, writer_mode_from_env
+from engine.io.env import whole_number_from_env
 
 WRITERS_ENV = "EAGLE3_CAPTURE_WRITERS"
 DEFAULT_CAPTURE_WRITERS = 4
@@ -30,13 +29,8 @@ def capture_writer_count() -> int:
 
     Few: four outpace what a fast target captures, and every writer takes the GIL for a little Python
     per segment, which the model thread launching kernels pays for (bench/RESULTS.md)."""
-    raw = os.environ.get(WRITERS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CAPTURE_WRITERS
-    if raw.isdigit() and 1 <= int(raw) <= 64:
-        return int(raw)
-    raise ValueError(f"{WRITERS_ENV}={raw!r} is not a number of writer threads from 1 to 64: give one in that "
-                     f"range, or unset it for {DEFAULT_CAPTURE_WRITERS}")
+    return whole_number_from_env(WRITERS_ENV, DEFAULT_CAPTURE_WRITERS, 64, "a number of writer threads",
+                                 str(DEFAULT_CAPTURE_WRITERS))
 
 
 def capture_writer_mode() -> str:

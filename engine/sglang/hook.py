@@ -51,6 +51,7 @@ import torch
 from engine.capture.segments import write_segment
 from engine.capture.spool_process import (DEFAULT_SLOT_TOKENS, WRITER_ENV, WRITER_MODES, slot_tokens_from_env,
                                           writer_mode_from_env)
+from engine.io.env import whole_number_from_env
 from engine.io.names import is_safe_name
 from engine.errors import EngineError
 
@@ -60,7 +61,7 @@ ENV_SPOOL = "EAGLE3_CAPTURE_SPOOL"
 ENV_LAYERS = "EAGLE3_CAPTURE_LAYERS"
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK"
 _GENERATED_RID = re.compile(r"^[0-9a-f]{32}$")  # uuid4().hex, what SGLang assigns when no rid is given
-MAX_PENDING_BATCHES = 256  # beyond this the forward blocks rather than exhausting pinned memory
+MAX_PENDING_BATCHES = 256  # a count bound beside the byte bound below (many tiny batches); past it the forward blocks
 # Host memory that captured batches may hold while they wait for the writer; past it the forward waits.
 # A batch count alone bounds nothing: 256 batches of a 1B target's 16 x 2,048-token prefill are 137 GB.
 PENDING_MB_ENV = "EAGLE3_CAPTURE_PENDING_MB"
@@ -71,13 +72,8 @@ MAX_PENDING_MB = 1 << 20
 def pending_bytes_from_env() -> int:
     """EAGLE3_CAPTURE_PENDING_MB in bytes if set, else the default; ValueError naming the variable and the
     fix for anything else (never replaced by the default: the operator set it for a reason)."""
-    raw = os.environ.get(PENDING_MB_ENV, "").strip()
-    if not raw:
-        return DEFAULT_PENDING_MB << 20
-    if raw.isdigit() and 1 <= int(raw) <= MAX_PENDING_MB:
-        return int(raw) << 20
-    raise ValueError(f"{PENDING_MB_ENV}={raw!r} is not a whole number of MiB from 1 to {MAX_PENDING_MB:,}: give one "
-                     f"in that range, or unset it for {DEFAULT_PENDING_MB:,} MiB")
+    return whole_number_from_env(PENDING_MB_ENV, DEFAULT_PENDING_MB, MAX_PENDING_MB, "a whole number of MiB",
+                                 f"{DEFAULT_PENDING_MB:,} MiB") << 20
 
 
 class CaptureConfigError(EngineError, RuntimeError):
