@@ -45,6 +45,15 @@ def _lock_free(root) -> bool:
     return False
 
 
+def _wait(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
 def _holder_pid(root) -> int | None:
     holder = WorkspaceLock(root).holder()
     return holder.pid if holder else None
@@ -58,7 +67,14 @@ def test_console_kill_9_at_random_moments(ws_with_job):
     problems, driving_kills = [], 0
     for trial in range(TRIALS):
         console = ConsoleProcess(ws.root)
-        deadline = time.monotonic() + rng.uniform(0.1, 1.8)
+        if trial % 2:
+            # Every other kill lands while the console drives: once it names itself in the lock file (read,
+            # not probed with flock, which would send it read-only), however slowly a loaded machine starts it.
+            if not _wait(lambda: _holder_pid(ws.root) == console.pid or console.proc.poll() is not None, 60):
+                problems.append(f"trial {trial}: the console did not take the lock in 60 s")
+            deadline = time.monotonic() + rng.uniform(0.0, 1.0)
+        else:  # the others at any moment of its start, before or after it takes the lock
+            deadline = time.monotonic() + rng.uniform(0.1, 1.8)
         while time.monotonic() < deadline and console.proc.poll() is None:
             time.sleep(0.02)
         if console.proc.poll() is not None:
@@ -83,7 +99,7 @@ def test_console_kill_9_at_random_moments(ws_with_job):
             problems.append(f"trial {trial}: console.toml changed")
     ledger.add("kill -9 console", trials=TRIALS, faults=TRIALS, records=TRIALS, losses=len(problems))
     assert not problems, problems
-    assert driving_kills >= TRIALS // 3, f"only {driving_kills} kills hit a driving console"
+    assert driving_kills >= TRIALS // 2, f"only {driving_kills} kills hit a driving console"
 
 
 def test_two_consoles_one_drives_the_other_attaches_read_only(ws_with_job):
