@@ -14,6 +14,11 @@ import pytest
 
 from tests.helpers.models import CHAT_TEMPLATE, build_tiny_model
 
+# The suite runs on two workers on two cores, and every server and job it starts runs torch: with torch's
+# default of one thread per core, those threads outnumber the cores and spin-wait on each other (the
+# subprocesses inherit this; code that sets its own count, like the demo build, still does).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Every job the tests run (and the jobs they start) writes its events in strict mode: an event kind or
 # field outside the contract (engine.jobs.events) fails the job instead of drifting from its readers.
 os.environ.setdefault("EAGLE3_STRICT_JOB_EVENTS", "1")

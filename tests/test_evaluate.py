@@ -253,7 +253,6 @@ def pipeline(tmp_path_factory, target_dir, target):
     from engine.train.export import export_drafter
     from engine.train.loop import Trainer
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the detached jobs inherit it
     torch.set_num_threads(1)
     ws = _build_workspace(tmp_path_factory.mktemp("ws"), target_dir, target)
     trainer = Trainer(ws, device="cpu")
