@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ def load_model(model_path: Path, requested_device: str, requested_dtype: str) ->
     hf_logging.set_verbosity_error()  # keep the server's stderr to its own messages
     hf_logging.disable_progress_bar()
     device = _resolve_device(torch, requested_device)
+    host_threads(torch, device)
     try:
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
     except Exception as exc:
@@ -111,6 +113,17 @@ def _resolve_device(torch: Any, wanted: str) -> str:
     if wanted == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("--device cuda was asked for, but torch sees no CUDA device")
     return wanted
+
+
+def host_threads(torch: Any, device: str, environ: dict[str, str] | None = None) -> int:
+    """On a GPU the server's torch work on the host is bookkeeping (ids, masks, a capture's small copies),
+    and with a thread a core every such op wakes the whole OpenMP pool, whose threads then spin: one
+    thread there, unless OMP_NUM_THREADS says otherwise (bench/RESULTS.md, Capture overhead, session 24).
+    On a CPU the model itself runs on these threads: left as they are. Returns the count in force."""
+    environ = os.environ if environ is None else environ
+    if device == "cuda" and not environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
+    return int(torch.get_num_threads())
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
