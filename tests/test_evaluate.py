@@ -26,6 +26,11 @@ from engine.evaluate.specdec import (  # noqa: E402
 )
 from tests.helpers.drafters import AUX, make_drafter, training_attention_reference  # noqa: E402
 
+# Module-scoped fixtures (its trained-drafter pipeline) are built once per worker that runs one of the module's tests:
+# one worker runs them all.
+pytestmark = pytest.mark.xdist_group("test_evaluate")
+
+
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -248,8 +253,6 @@ def _run_job(ws) -> tuple[dict, list[dict]]:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, target_dir, target):
     """Untrained export -> evaluate job -> report; real Trainer -> export -> evaluate job -> report."""
-    import os
-
     from engine.train.export import export_drafter
     from engine.train.loop import Trainer
 

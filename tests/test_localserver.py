@@ -25,6 +25,11 @@ import torch
 from engine.capture.segments import assemble, list_segments, release
 from engine.client import ServerClient, ServerReplyError, ServerUnreachableError
 
+# Module-scoped fixtures (its two servers) are built once per worker that runs one of the module's tests:
+# one worker runs them all.
+pytestmark = pytest.mark.xdist_group("test_localserver")
+
+
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-5d1f0c"
 PROMPTS = [
