@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,13 +116,13 @@ def _resolve_device(torch: Any, wanted: str) -> str:
     return wanted
 
 
-def host_threads(torch: Any, device: str, environ: dict[str, str] | None = None) -> int:
+def host_threads(torch: Any, device: str, environ: Mapping[str, str] | None = None) -> int:
     """On a GPU the server's torch work on the host is bookkeeping (ids, masks, a capture's small copies),
     and with a thread a core every such op wakes the whole OpenMP pool, whose threads then spin: one
     thread there, unless OMP_NUM_THREADS says otherwise (bench/RESULTS.md, Capture overhead, session 24).
     On a CPU the model itself runs on these threads: left as they are. Returns the count in force."""
-    environ = os.environ if environ is None else environ
-    if device == "cuda" and not environ.get("OMP_NUM_THREADS"):
+    settings = os.environ if environ is None else environ
+    if device == "cuda" and not settings.get("OMP_NUM_THREADS"):
         torch.set_num_threads(1)
     return int(torch.get_num_threads())
 
