@@ -70,17 +70,29 @@ def demo_template(demo_content):
     return init_workspace(demo_content[0], demo=True)
 
 
-# CI runs the suite on two workers (pytest-xdist, `--dist loadgroup`), and session fixtures are built
-# once per worker: every test that needs one of the fixtures that cost minutes (the demo build, the
-# SGLang wheel) goes to the same worker, so each is built once per run.
+# CI runs the suite on two workers (pytest-xdist, `--dist loadgroup`), and session and module fixtures
+# are built once per worker that uses them: every test that needs one of the fixtures that cost minutes
+# (the demo build, the SGLang wheel) goes to the same worker, and so do a module's tests that share a
+# module-scoped fixture (a trained drafter, a running server), so each is built once per run.
 _COSTLY_FIXTURE_GROUPS = {"demo_content": "demo", "sglang_cache": "sglang"}
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    needs = getattr(item, "fixturenames", ())
+    group = next((g for fixture, g in _COSTLY_FIXTURE_GROUPS.items() if fixture in needs), None)
+    if group is not None:
+        return group
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.values() if info is not None else ()
+    if any(defs and defs[-1].scope == "module" for defs in definitions):
+        return item.module.__name__ if isinstance(item, pytest.Function) else None
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        needs = getattr(item, "fixturenames", ())
-        group = next((g for fixture, g in _COSTLY_FIXTURE_GROUPS.items() if fixture in needs), None)
+        group = _xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
 

@@ -32,11 +32,6 @@ from engine.dataset.tokenize import load_tokenizer, mask_method
 from engine.dataset.stats_cache import load_cached_stats
 from engine.workspace import init_workspace
 
-# Module-scoped fixtures (its models and generation server) are built once per worker that runs one of the module's tests:
-# one worker runs them all.
-pytestmark = pytest.mark.xdist_group("test_dataset")
-
-
 REPO = Path(__file__).resolve().parent.parent
 
 # A template like real chat templates: role headers, content, eos closing assistant turns.

@@ -26,11 +26,6 @@ from engine.evaluate.specdec import (  # noqa: E402
 )
 from tests.helpers.drafters import AUX, make_drafter, training_attention_reference  # noqa: E402
 
-# Module-scoped fixtures (its trained-drafter pipeline) are built once per worker that runs one of the module's tests:
-# one worker runs them all.
-pytestmark = pytest.mark.xdist_group("test_evaluate")
-
-
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 

@@ -25,11 +25,6 @@ import torch
 from engine.capture.segments import assemble, list_segments, release
 from engine.client import ServerClient, ServerReplyError, ServerUnreachableError
 
-# Module-scoped fixtures (its two servers) are built once per worker that runs one of the module's tests:
-# one worker runs them all.
-pytestmark = pytest.mark.xdist_group("test_localserver")
-
-
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-5d1f0c"
 PROMPTS = [
@@ -491,9 +486,8 @@ def test_gil_switch_interval_comes_from_the_environment(monkeypatch, capsys):
 
 
 def test_a_gpu_server_runs_its_host_torch_on_one_thread_unless_told():
-    """On a GPU the server's host-side torch ops are bookkeeping: a thread a core only spins (on the H200
-    the server burned 7.3 ms of CPU a captured request against 1.2 on one thread). On a CPU the model
-    runs on those threads, and OMP_NUM_THREADS always wins."""
+    """On a GPU the server's host-side torch ops are bookkeeping: a thread a core only spins (bench/RESULTS.md,
+    Capture overhead, session 24). On a CPU the model runs on those threads, and OMP_NUM_THREADS always wins."""
     from engine.localserver.loading import host_threads
 
     before = torch.get_num_threads()

@@ -30,8 +30,8 @@ def test_demo_trains_online_within_5_mb_to_an_acceptance_length_above_1(demo_tem
     ws = copy_demo(demo_template, tmp_path / "demo")
     config = ws.config
     # One evaluation pass at concurrency 1 (the verdict rules are the same; the sweep is not the point), and
-    # two of the demo's four epochs: run by hand on the 2-core box, four gave acceptance 2.76 in 171 s, two
-    # 2.65 in 92 s (session 24).
+    # two of the demo's four epochs, which halve the run and still train well past 1 (bench/RESULTS.md,
+    # Figures that used to sit in code comments).
     for key, value in {"train.mode": "online", "train.window_gb": 0.005, "server.port": free_port(), "train.epochs": 2,
                        "evaluate.concurrency": [1], "evaluate.sweep_steps": [], "evaluate.rounds": 1}.items():
         config = set_value(config, key, value)

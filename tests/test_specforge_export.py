@@ -40,11 +40,6 @@ from engine.records import load_record, load_token_counts, read_manifest, read_r
 from engine.release import output_dir_of
 from engine.specforge_export import SPECFORGE_COMMIT, SUMMARY, ExportError, export_specforge, specforge_relpath
 
-# Module-scoped fixtures (its extraction runs) are built once per worker that runs one of the module's tests:
-# one worker runs them all.
-pytestmark = pytest.mark.xdist_group("test_specforge_export")
-
-
 ROOT = Path(__file__).resolve().parent.parent
 N_SAMPLES = 5
 SPECFORGE_URL = "https://github.com/sgl-project/SpecForge"

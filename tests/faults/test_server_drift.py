@@ -34,11 +34,6 @@ from engine.server.manager import ServerManager
 from engine.workspace import Workspace
 from faults import ledger
 
-# Module-scoped fixtures (its running server) are built once per worker that runs one of the module's tests:
-# one worker runs them all.
-pytestmark = pytest.mark.xdist_group("test_server_drift")
-
-
 RESTART = "restart the server to apply"
 N = 12
 
