@@ -221,6 +221,8 @@ def test_an_extraction_whose_samples_are_all_bad_fails_and_the_stage_is_red(serv
     ws, _, root = server
     ws = _change(ws, "extract.spool_dir", str(root / "spoolB"))
     ws = _change(ws, "extract.run", "allbad")
+    # A capture that never comes is what is tested, not how long the job waits for one (30 s by default).
+    ws = _change(ws, "extract.capture_wait_s", 1)
     monkeypatch.setattr(extract_job.Extractor, "check_server", lambda self: asyncio.sleep(0))
     code = extract_job.main(["--workspace", str(ws.root)])
     out = capsys.readouterr().out
