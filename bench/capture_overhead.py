@@ -406,6 +406,8 @@ def main() -> int:  # noqa: C901 - a linear script
                     time.sleep(0.5)
             writer = httpx.get(url + "/server_info", timeout=30).json()["capture"]["writer"]
             result = asyncio.run(bench(url, spool, args, vocab, server.pid))
+            # Again after the rounds: whether the arena was pinned is known once a batch has come from a GPU.
+            writer = httpx.get(url + "/server_info", timeout=30).json()["capture"]["writer"]
         finally:
             if args.probe_server:
                 time.sleep(2.5)  # the probe rewrites its file every 2 s: let it take in the last round

@@ -388,3 +388,27 @@ def test_the_writer_process_is_named_so_ps_and_the_capture_bench_can_tell_it_apa
 
     assert psutil.Process(writer.pid).name() == WRITER_PROCESS_NAME
     assert psutil.Process().name() != WRITER_PROCESS_NAME  # the parent keeps its own
+
+
+def test_the_servers_writer_description_says_whether_device_copies_are_asynchronous(tmp_path, monkeypatch):
+    """/server_info's capture writer: nothing about pinning before a batch came from a GPU (CPU), and a
+    plain warning when CUDA refused to pin the arena (the copies then hold up the model thread)."""
+    from engine.localserver.capture_sink import CaptureConfig, CaptureSink
+
+    sink = CaptureSink()
+    sink.mode = "process"
+    sink.config = CaptureConfig(layers=LAYERS, spool_dir=tmp_path / "spool")
+    sink.start(state_bytes=64 * 2, slot_tokens=8)
+    try:
+        assert sink.describe() == f"process (pid {sink._process.pid})"
+
+        class RefusingRuntime:
+            def cudaHostRegister(self, *args):  # noqa: N802 - CUDA's name
+                return 1  # cudaErrorInvalidValue
+
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingRuntime())
+        sink._process._register()
+        assert sink.describe() == (f"process (pid {sink._process.pid}; arena NOT pinned: device copies wait on "
+                                   "the model thread)")
+    finally:
+        sink.close()

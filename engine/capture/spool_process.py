@@ -277,9 +277,10 @@ class SpoolWriterProcess:
         return None if self._process is None else self._process.pid
 
     @property
-    def pinned(self) -> bool:
-        """Whether the arena is registered with CUDA, so device states are copied straight into it."""
-        return bool(self._registered)
+    def pinned(self) -> bool | None:
+        """Whether the arena is registered with CUDA, so device states are copied into it asynchronously;
+        None until the first batch from a device asked for it."""
+        return self._registered
 
     def close(self, timeout: float = 30.0) -> None:
         """Let the child finish the batches it holds, stop it, free the shared memory."""

@@ -78,7 +78,11 @@ class CaptureSink:
     def describe(self) -> str:
         """How captured segments are written, for /server_info."""
         if (live := self._live_process()) is not None:
-            return f"process (pid {live.pid})"
+            # Whether device states land in the shared arena asynchronously or, unpinned, hold up the model
+            # thread while they copy; unknown until the first batch from a GPU.
+            pinning = {None: "", True: "; arena pinned for CUDA copies",
+                       False: "; arena NOT pinned: device copies wait on the model thread"}[live.pinned]
+            return f"process (pid {live.pid}{pinning})"
         writer = self._process
         note = self.note or (writer.failure if writer is not None else "")
         return f"threads ({self.writers})" + (f"; {note}" if note else "")
