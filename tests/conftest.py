@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers.models import CHAT_TEMPLATE, build_tiny_model
 
-# The suite runs on two workers on two cores, and every server and job it starts runs torch: with torch's
+# The suite runs on three workers on two cores, and every server and job it starts runs torch: with torch's
 # default of one thread per core, those threads outnumber the cores and spin-wait on each other (the
 # subprocesses inherit this; code that sets its own count, like the demo build, still does).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -70,7 +70,7 @@ def demo_template(demo_content):
     return init_workspace(demo_content[0], demo=True)
 
 
-# CI runs the suite on two workers (pytest-xdist, `--dist loadgroup`), and session and module fixtures
+# CI runs the suite on three workers (pytest-xdist, `--dist loadgroup`), and session and module fixtures
 # are built once per worker that uses them: every test that needs one of the fixtures that cost minutes
 # (the demo build, the SGLang wheel) goes to the same worker, and so do a module's tests that share a
 # module-scoped fixture (a trained drafter, a running server), so each is built once per run.
