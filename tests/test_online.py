@@ -88,6 +88,53 @@ def online_ws(request, tiny_chat_model_dir, tmp_path):
         yield made
 
 
+def test_window_disk_use_counts_files_and_rides_out_a_job_deleting_under_it(tmp_path):
+    """files_bytes (the disk check's window figure) while a job deletes records and whole directories: it
+    never raises (Path.rglob raised FileNotFoundError from a directory gone mid-walk: thousands of times in
+    two seconds here), and at rest it counts exactly the regular files, not what a link points to."""
+    import shutil
+    import time
+
+    from engine.train.window import files_bytes
+
+    root = tmp_path / "window"
+    (root / "rank0" / "shard").mkdir(parents=True)
+    (root / "rank0" / "a.rec").write_bytes(b"x" * 1000)
+    (root / "rank0" / "shard" / "b.rec").write_bytes(b"y" * 234)
+    (root / "run.json").write_text("{}")
+    (root / "link.rec").symlink_to(root / "rank0" / "a.rec")
+    assert files_bytes(root) == 1000 + 234 + 2
+
+    churn_root = tmp_path / "churn"
+    churn_root.mkdir()
+    stop, errors, looks = threading.Event(), [], [0]
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            deep = churn_root / f"run{i % 8}" / "shard" / "deep"
+            deep.mkdir(parents=True, exist_ok=True)
+            (deep / "rec.bin").write_bytes(b"z" * 1000)
+            shutil.rmtree(churn_root / f"run{(i + 4) % 8}", ignore_errors=True)
+            i += 1
+
+    deleter = threading.Thread(target=churn, daemon=True)
+    deleter.start()
+    deadline = time.monotonic() + 1.5
+    try:
+        while time.monotonic() < deadline:
+            try:
+                assert 0 <= files_bytes(churn_root) <= 8 * 1000
+            except OSError as exc:
+                errors.append(exc)
+            looks[0] += 1
+    finally:
+        stop.set()
+        deleter.join()
+    assert not errors, f"{len(errors)} of {looks[0]} looks raised, e.g. {errors[0]!r}"
+    assert looks[0] > 10
+
+
 @pytest.mark.parametrize("online_ws", ["640k"], indirect=True)
 def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online_ws):
     from engine.jobs.manager import JobManager

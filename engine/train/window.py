@@ -11,6 +11,8 @@ what is written, so the bytes on disk never exceed what is reserved."""
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 from collections import Counter
@@ -82,14 +84,18 @@ def record_bytes(tokens: int, hidden_size: int, aux_format: str = "bf16") -> int
 
 
 def files_bytes(root: Path) -> int:
-    """Bytes of every file under `root` now (what a disk would hold), whatever the accounting says."""
+    """Bytes of every regular file under `root` now (what a disk would hold), whatever the accounting says.
+    A running job deletes records as it goes: a file or a whole directory that goes while we look is
+    skipped (os.walk passes over a directory it can no longer list; `Path.rglob` raised instead)."""
     total = 0
-    for path in Path(root).rglob("*"):
-        try:
-            if path.is_file():
-                total += path.stat().st_size
-        except OSError:
-            continue  # deleted while we looked
+    for directory, _, names in os.walk(root):
+        for name in names:
+            try:
+                info = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue  # deleted while we looked
+            if stat.S_ISREG(info.st_mode):
+                total += info.st_size
     return total
 
 
