@@ -36,11 +36,11 @@ class DirPeak(threading.Thread):
         self._t0 = time.monotonic()
 
     def run(self) -> None:
-        from engine.train.window import files_bytes
+        from engine.system.disk import tree_bytes
 
         while not self._stop_event.is_set():
             t = time.monotonic()
-            size = files_bytes(self.root) if self.root.exists() else 0
+            size = tree_bytes(self.root) if self.root.exists() else 0
             self.slowest_sample_s = max(self.slowest_sample_s, time.monotonic() - t)
             self.samples += 1
             if size > self.peak:

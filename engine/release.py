@@ -24,6 +24,7 @@ from engine.io.names import UnsafeNameError, check_name
 from engine.records import RUN_META, RecordError, read_manifest, read_run_meta
 from engine.registry import RECORD_READERS
 from engine.errors import EngineError
+from engine.system.disk import tree_bytes
 from engine.io.jsonfile import read_json_object_or_none
 
 RELEASING = re.compile(r"^(?P<run>.+)\.releasing-[0-9a-f]{8}$")
@@ -69,18 +70,6 @@ def _checked_name(name: str) -> str:
         raise ReleaseError(str(exc)) from None
 
 
-def _tree_bytes(root: Path) -> int:
-    """Bytes of every entry under `root`, symlinks counted as links (never followed)."""
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for entry in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            try:
-                total += os.lstat(os.path.join(dirpath, entry)).st_size
-            except OSError:
-                pass  # vanished while walking
-    return total
-
-
 def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -111,7 +100,7 @@ def describe_run(output_dir: Path, name: str, verify: bool = False) -> RunInfo:
     """What the run holds. `verify` re-hashes every record (slow for big runs) to tell
     "verified" from "complete"; without it a finished run is "complete"."""
     path = _run_dir(output_dir, name)
-    size = _tree_bytes(path)
+    size = tree_bytes(path)
     if RELEASING.match(name):
         return RunInfo(name, path, 0, size, "releasing",
                        problems=("an earlier release was interrupted: release this name to finish it",))

@@ -89,13 +89,14 @@ def online_ws(request, tiny_chat_model_dir, tmp_path):
 
 
 def test_window_disk_use_counts_files_and_rides_out_a_job_deleting_under_it(tmp_path):
-    """files_bytes (the disk check's window figure) while a job deletes records and whole directories: it
-    never raises (Path.rglob raised FileNotFoundError from a directory gone mid-walk: thousands of times in
-    two seconds here), and at rest it counts exactly the regular files, not what a link points to."""
+    """tree_bytes (the disk check's window figure) while a job deletes records and whole directories: it
+    never raises (the window's own Path.rglob walk raised FileNotFoundError from a directory gone mid-walk:
+    thousands of times in two seconds here), and at rest it counts exactly what is there, a link as a link
+    (not what it points to)."""
     import shutil
     import time
 
-    from engine.train.window import files_bytes
+    from engine.system.disk import tree_bytes
 
     root = tmp_path / "window"
     (root / "rank0" / "shard").mkdir(parents=True)
@@ -103,7 +104,7 @@ def test_window_disk_use_counts_files_and_rides_out_a_job_deleting_under_it(tmp_
     (root / "rank0" / "shard" / "b.rec").write_bytes(b"y" * 234)
     (root / "run.json").write_text("{}")
     (root / "link.rec").symlink_to(root / "rank0" / "a.rec")
-    assert files_bytes(root) == 1000 + 234 + 2
+    assert tree_bytes(root) == 1000 + 234 + 2 + os.lstat(root / "link.rec").st_size
 
     churn_root = tmp_path / "churn"
     churn_root.mkdir()
@@ -124,7 +125,7 @@ def test_window_disk_use_counts_files_and_rides_out_a_job_deleting_under_it(tmp_
     try:
         while time.monotonic() < deadline:
             try:
-                assert 0 <= files_bytes(churn_root) <= 8 * 1000
+                assert 0 <= tree_bytes(churn_root) <= 8 * 1000
             except OSError as exc:
                 errors.append(exc)
             looks[0] += 1

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import set_value
-from engine.train.window import files_bytes
+from engine.system.disk import tree_bytes
 from engine.workspace import Workspace
 from tests.helpers.processes import free_port
 from tests.helpers.workspaces import copy_demo
@@ -42,7 +42,7 @@ def test_demo_trains_online_within_5_mb_to_an_acceptance_length_above_1(demo_tem
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], files_bytes(hidden) if hidden.exists() else 0)
+            peak[0] = max(peak[0], tree_bytes(hidden) if hidden.exists() else 0)
             samples[0] += 1
             time.sleep(0.02)
 

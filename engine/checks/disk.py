@@ -88,7 +88,8 @@ def check_disk(ctx: CheckContext) -> list[CheckResult]:
 
 def _window_budget(ctx: CheckContext) -> CheckResult:
     """Online/hybrid training: the disk holds the window (train.window_gb), not the whole extraction."""
-    from engine.train.window import files_bytes, window_budget, window_dir
+    from engine.system.disk import tree_bytes
+    from engine.train.window import window_budget, window_dir
 
     cfg = ctx.config
     hidden = _hidden_size(ctx)
@@ -98,7 +99,7 @@ def _window_budget(ctx: CheckContext) -> CheckResult:
     per_token = bytes_per_token(hidden, cfg.extract.aux_format)
     offline = tokens * per_token
     window = window_budget(cfg)
-    there = files_bytes(window_dir(ctx.workspace))  # kept records of an earlier run stay counted in the window
+    there = tree_bytes(window_dir(ctx.workspace))  # kept records of an earlier run stay counted in the window
     needed = max(window - there, 0)
     reserve = int(cfg.extract.disk_reserve_gb * GIB)
     usage = usage_for("hidden", str(window_dir(ctx.workspace)), reserve)

@@ -129,6 +129,20 @@ def bytes_per_token(hidden_size: int, aux_format: str = "bf16") -> int:
 RECORD_OVERHEAD_BYTES = 1024  # a record's safetensors header (360-470 B) and its manifest line, rounded up
 
 
+def tree_bytes(root: Path) -> int:
+    """Bytes of every entry under `root` now (what a disk holds there), symlinks counted as links (never
+    followed). Jobs delete files and whole directories as they go: whatever vanishes while we look is
+    skipped (os.walk passes over a directory it can no longer list)."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for entry in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            try:
+                total += os.lstat(os.path.join(dirpath, entry)).st_size
+            except OSError:
+                pass  # vanished while walking
+    return total
+
+
 def records_bytes(tokens: int, samples: int, hidden_size: int, aux_format: str = "bf16") -> int:
     """Disk bytes of `samples` records holding `tokens` tokens in all: the states and ids of every
     token, and each record's header and manifest line."""

@@ -11,8 +11,6 @@ what is written, so the bytes on disk never exceed what is reserved."""
 
 from __future__ import annotations
 
-import os
-import stat
 import threading
 import time
 from collections import Counter
@@ -81,22 +79,6 @@ def last_capture_rate(workspace) -> float | None:
 def record_bytes(tokens: int, hidden_size: int, aux_format: str = "bf16") -> int:
     """Upper bound of the bytes of one record of `tokens` tokens (engine.records' layout)."""
     return records_bytes(tokens, 1, hidden_size, aux_format)
-
-
-def files_bytes(root: Path) -> int:
-    """Bytes of every regular file under `root` now (what a disk would hold), whatever the accounting says.
-    A running job deletes records as it goes: a file or a whole directory that goes while we look is
-    skipped (os.walk passes over a directory it can no longer list; `Path.rglob` raised instead)."""
-    total = 0
-    for directory, _, names in os.walk(root):
-        for name in names:
-            try:
-                info = os.lstat(os.path.join(directory, name))
-            except OSError:
-                continue  # deleted while we looked
-            if stat.S_ISREG(info.st_mode):
-                total += info.st_size
-    return total
 
 
 class Window:
