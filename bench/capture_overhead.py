@@ -404,9 +404,8 @@ def main() -> int:  # noqa: C901 - a linear script
                         break
                 except httpx.HTTPError:
                     time.sleep(0.5)
-            writer = httpx.get(url + "/server_info", timeout=30).json()["capture"]["writer"]
             result = asyncio.run(bench(url, spool, args, vocab, server.pid))
-            # Again after the rounds: whether the arena was pinned is known once a batch has come from a GPU.
+            # Read after the rounds: whether the arena is pinned is known once a batch has come from a GPU.
             writer = httpx.get(url + "/server_info", timeout=30).json()["capture"]["writer"]
         finally:
             if args.probe_server:
