@@ -191,8 +191,8 @@ async def test_capture_matches_reference_hidden_states(server, reference):
     async with server.client() as client:
         result = await client.generate(input_ids=prompt, max_new_tokens=2, rid="cap-1")
     assert result.meta["id"] == "cap-1"
-    # the reply came after the segment was durable: assemble right away
-    capture = assemble(server.spool, "cap-1", expected_len=len(prompt), expected_input_ids=prompt)
+    # The reply comes once the writer holds the states: wait for the segments, as the job does.
+    capture = assemble(server.spool, "cap-1", expected_len=len(prompt), expected_input_ids=prompt, wait_s=30)
     with torch.no_grad():
         states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
         final = model.model(torch.tensor([prompt])).last_hidden_state[0]
@@ -214,8 +214,7 @@ async def test_capture_only_for_explicit_rid_and_never_for_health(server):
         results = await asyncio.gather(*(client.generate(input_ids=p, max_new_tokens=0, rid=f"batch-{i}")
                                          for i, p in enumerate(PROMPTS[:4])))
     for i, (prompt, result) in enumerate(zip(PROMPTS, results)):
-        assert list_segments(server.spool, f"batch-{i}")
-        assert assemble(server.spool, f"batch-{i}", expected_len=len(prompt)).num_tokens == len(prompt)
+        assert assemble(server.spool, f"batch-{i}", expected_len=len(prompt), wait_s=30).num_tokens == len(prompt)
         assert result.meta["id"] == f"batch-{i}"
         release(server.spool, f"batch-{i}")
 
@@ -235,7 +234,7 @@ async def test_mixed_batch_captures_each_row_exactly(server, reference):
     for prompt, rid in zip(prompts, rids):
         if rid is None:
             continue
-        capture = assemble(server.spool, rid, expected_len=len(prompt), expected_input_ids=prompt)
+        capture = assemble(server.spool, rid, expected_len=len(prompt), expected_input_ids=prompt, wait_s=30)
         with torch.no_grad():
             states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
             final = model.model(torch.tensor([prompt])).last_hidden_state[0]
@@ -442,7 +441,7 @@ def test_cuda_capture_of_a_mixed_batch_equals_the_reference(tiny_model_dir: Path
         for prompt, rid in zip(prompts, rids):
             if rid is None:
                 continue  # checked below: no segment directory besides the captured rids
-            capture = assemble(spool, rid, expected_len=len(prompt), expected_input_ids=prompt)
+            capture = assemble(spool, rid, expected_len=len(prompt), expected_input_ids=prompt, wait_s=30)
             with torch.no_grad():
                 ids = torch.tensor([prompt], device="cuda")
                 states = model(ids, output_hidden_states=True).hidden_states

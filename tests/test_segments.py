@@ -14,9 +14,12 @@ from engine.capture.layers import (
     validate_layers,
 )
 from engine.capture.segments import (
+    CaptureIncomplete,
     SegmentError,
     assemble,
     list_segments,
+    mark_failed,
+    open_capture,
     release,
     segment_path,
     write_segment,
@@ -304,8 +307,6 @@ def test_a_capture_written_after_the_read_began_is_waited_for_and_a_wrong_one_is
     import threading
     import time
 
-    from engine.capture.segments import CaptureIncomplete
-
     first, second = make_states(5), make_states(4, 5)
     write_segment(tmp_path, "late", 5, *second, LAYERS)
     timer = threading.Timer(0.3, write_segment, (tmp_path, "late", 0, *first, LAYERS))
@@ -327,3 +328,25 @@ def test_a_capture_written_after_the_read_began_is_waited_for_and_a_wrong_one_is
             assemble(tmp_path, rid, expected_len=4 if rid == "wrong" else 6, expected_input_ids=expected_ids,
                      wait_s=30)
         assert not isinstance(caught.value, CaptureIncomplete) and time.monotonic() - started < 5
+
+
+def test_a_segment_marked_failed_fails_the_waiting_reader_at_once_and_is_released(tmp_path):
+    """A server that answered before writing marks a write that then failed: a reader waiting for the
+    capture (first chunk written, second still missing) fails at once with the server's reason, not
+    after `wait_s`; `release` frees the mark with the segments."""
+    import threading
+    import time
+
+    write_segment(tmp_path, "lost", 0, *make_states(5), LAYERS)
+    reason = "capture write failed: the capture writer process exited (code -9)"
+    timer = threading.Timer(0.3, mark_failed, (tmp_path, "lost", 5, reason))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(SegmentError, match=r"failed in the server's writer: .*exited \(code -9\)") as caught:
+        with open_capture(tmp_path, "lost", 9, wait_s=30):
+            pass
+    assert not isinstance(caught.value, CaptureIncomplete) and 0.25 <= time.monotonic() - started < 5
+    assert sorted(p.name for p in (tmp_path / "lost").iterdir()) == ["0000000000.safetensors", "0000000005.failed"]
+    assert release(tmp_path, "lost") == 1 and not (tmp_path / "lost").exists()
+    with pytest.raises(UnsafeNameError):
+        mark_failed(tmp_path, "../escape", 0, reason)

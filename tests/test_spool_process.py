@@ -7,6 +7,7 @@ from __future__ import annotations
 from tests.helpers.processes import free_port, local_server_argv, stop_process, wait_healthy
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.capture.segments import assemble, list_segments, write_segment
+from engine.capture.segments import SegmentError, assemble, list_segments, open_capture, write_segment
 from engine.capture.spool_process import SpoolProcessError, SpoolWriterProcess, shm_room_problem
 from engine.client import ServerClient
 
@@ -132,6 +133,25 @@ def test_a_killed_writer_fails_the_batches_it_held_and_refuses_more(writer):
     assert not writer.alive and "code -9" in writer.failure
     with pytest.raises(SpoolProcessError, match="exited"):
         _submit(writer, ["y"], [6], ids, aux, final, replies)
+
+
+def test_a_batch_is_handed_over_before_it_is_written(writer):
+    """`on_handed` comes once every slot of the batch is in the child's hands, before the child has
+    written a byte (it is stopped); `on_done` only after it goes on, and the segments are then whole."""
+    ids, aux, final = _batch(2, 6, 8, torch.bfloat16)
+    handed, replies = threading.Event(), _Replies()
+    os.kill(writer.pid, signal.SIGSTOP)
+    try:
+        writer.submit_packed([("h0", 0, 6), ("h1", 0, 3)], *_packed([6, 3], ids, aux, final), replies,
+                             on_handed=handed.set)
+        assert handed.wait(30), "the batch never reached the child"
+        time.sleep(0.2)
+        assert not replies.event.is_set() and not (writer.spool_dir / "h0").exists()
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+    assert replies.wait() == [None, None]
+    for rid, n in (("h0", 6), ("h1", 3)):
+        assert torch.equal(assemble(writer.spool_dir, rid, expected_len=n).aux_hidden_state, aux[int(rid[1]), :n])
 
 
 def test_submit_waits_for_a_free_slot(tmp_path):
@@ -307,44 +327,76 @@ def test_too_little_shared_memory_is_refused_before_anything_starts(tmp_path):
     assert process.pid is None and not process.alive
 
 
-def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model_dir, tmp_path):
-    """A real local server with EAGLE3_CAPTURE_WRITER=process: /server_info names the child; after
-    SIGKILL to it the server says so (log and /server_info) and its own threads write the
-    segments of later requests, which match the ones written before."""
+@contextlib.contextmanager
+def _server_with_writer_process(model_dir: Path, tmp_path: Path):
+    """A real local server with EAGLE3_CAPTURE_WRITER=process: (url, spool, the child's pid, log path)."""
     spool, log = tmp_path / "spool", tmp_path / "server.log"
     port = free_port()
-    argv = local_server_argv(tiny_model_dir, port, "--capture-layers", "0,1,2", "--spool-dir", str(spool))
+    argv = local_server_argv(model_dir, port, "--capture-layers", "0,1,2", "--spool-dir", str(spool))
     with open(log, "wb") as handle:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
                                 env={**os.environ, "EAGLE3_CAPTURE_WRITER": "process"})
     url = f"http://127.0.0.1:{port}"
-    prompt = [5, 6, 7, 8, 9, 10, 11]
-
-    async def capture(rids):
-        async with ServerClient(url, timeout=30) as client:
-            await asyncio.gather(*(client.generate(input_ids=prompt, max_new_tokens=0, rid=r) for r in rids))
-
     try:
         wait_healthy(proc, url, log)
         writer = httpx.get(f"{url}/server_info", timeout=10).json()["capture"]["writer"]
         assert writer.startswith("process (pid "), writer
-        child = int(writer.removeprefix("process (pid ").rstrip(")"))
-        asyncio.run(capture(["before-0", "before-1"]))
+        yield url, spool, int(writer.removeprefix("process (pid ").rstrip(")")), log
+    finally:
+        stop_process(proc)
+
+
+def _capture(url: str, prompt: list[int], rids: list[str]) -> None:
+    async def send():
+        async with ServerClient(url, timeout=30) as client:
+            await asyncio.gather(*(client.generate(input_ids=prompt, max_new_tokens=0, rid=r) for r in rids))
+
+    asyncio.run(send())
+
+
+def _writer_description(url: str) -> str:
+    return httpx.get(f"{url}/server_info", timeout=10).json()["capture"]["writer"]
+
+
+def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model_dir, tmp_path):
+    """/server_info names the child; after SIGKILL to it the server says so (log and /server_info) and
+    its own threads write the segments of later requests, which match the ones written before."""
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    with _server_with_writer_process(tiny_model_dir, tmp_path) as (url, spool, child, log):
+        _capture(url, prompt, ["before-0", "before-1"])
+        # Answered once the child held the states; their segments follow.
+        before = assemble(spool, "before-0", expected_len=len(prompt), expected_input_ids=prompt, wait_s=30)
         os.kill(child, signal.SIGKILL)
         deadline = time.time() + 30
-        while "exited" not in (writer := httpx.get(f"{url}/server_info", timeout=10).json()["capture"]["writer"]):
+        while "exited" not in (writer := _writer_description(url)):
             assert time.time() < deadline, writer
             time.sleep(0.1)
         assert writer.startswith("threads (4); the capture writer process exited (code -9)"), writer
-        asyncio.run(capture(["after-0", "after-1", "after-2"]))
-        before = assemble(spool, "before-0", expected_len=len(prompt), expected_input_ids=prompt)
+        _capture(url, prompt, ["after-0", "after-1", "after-2"])
         for rid in ("after-0", "after-1", "after-2"):
             after = assemble(spool, rid, expected_len=len(prompt), expected_input_ids=prompt)
             assert torch.equal(after.aux_hidden_state, before.aux_hidden_state)
             assert torch.equal(after.hidden_state, before.hidden_state)
-    finally:
-        stop_process(proc)
     assert "threads write the segments from now on" in log.read_text()
+
+
+def test_the_server_answers_once_its_writer_holds_the_states_and_marks_a_write_lost_after(tiny_model_dir, tmp_path):
+    """The writer child stopped: the request is still answered (its states are in the child's hands) and
+    no segment exists yet. The child killed: the capture can never be written, and a reader waiting
+    for it fails at once with the server's reason (a failure mark in the spool), not after `wait_s`."""
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    with _server_with_writer_process(tiny_model_dir, tmp_path) as (url, spool, child, log):
+        os.kill(child, signal.SIGSTOP)
+        try:
+            _capture(url, prompt, ["held"])
+            assert not (spool / "held").exists(), "answered before the write: nothing can be in the spool yet"
+        finally:
+            os.kill(child, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(SegmentError, match=r"failed in the server's writer: .*exited \(code -9\)"):
+            open_capture(spool, "held", len(prompt), prompt, wait_s=30)
+        assert time.monotonic() - started < 15
+    assert "capture: request held: capture write failed" in log.read_text()
 
 
 def test_writer_mode_from_the_environment(monkeypatch):

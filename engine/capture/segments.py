@@ -4,6 +4,7 @@ Shared by the local target server and the SGLang capture patch, so both backends
 byte-compatible spools. Layout:
 
     <spool>/<rid>/<start:010d>.safetensors
+    <spool>/<rid>/<start:010d>.failed        why the segment at `start` will never come (text)
 
 A segment holds, for prompt positions [start, start + n):
     input_ids         int64 [n]
@@ -39,6 +40,7 @@ from engine.errors import EngineError
 FORMAT_NAME = "eagle3-console/capture-segment"
 FORMAT_VERSION = "1"
 _SEGMENT_FILE = re.compile(r"^(\d{10})\.safetensors$")
+_FAILED_FILE = re.compile(r"^(\d{10})\.failed$")
 # safetensors dtype names of what a segment may hold, and their torch types.
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I64": torch.int64}
@@ -145,6 +147,25 @@ def write_segment(
     return path
 
 
+def mark_failed(spool_dir: str | os.PathLike, rid: str, start: int, reason: str) -> Path:
+    """Publish why the segment of `rid` at `start` will never be written. A server that answers a request
+    once its states are in its writer's hands (before the segment is on the spool) says so here when the
+    write then fails, so a reader fails at once with the reason instead of waiting out its patience."""
+    path = segment_path(spool_dir, rid, start).with_suffix(".failed")
+    os.makedirs(path.parent, exist_ok=True)
+    data = reason.encode("utf-8", "replace")
+
+    def write(tmp: str) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            stfile.write_all(fd, data)
+        finally:
+            os.close(fd)
+
+    publish_via_path(path, write)
+    return path
+
+
 def _save(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str]) -> None:
     """A safetensors file streamed from the tensors' memory: `save_file` first copies them into
     one bytes object while holding the GIL, which the server's other threads wait for."""
@@ -168,8 +189,16 @@ def _rid_dir(spool_dir: str | os.PathLike, rid: str) -> Path:
     return directory
 
 
+def _failure_text(path: Path) -> str:
+    try:
+        return path.read_text("utf-8", "replace").strip() or "(no reason given)"
+    except OSError as exc:
+        return f"(its reason in {path} cannot be read: {exc.strerror})"
+
+
 def list_segments(spool_dir: str | os.PathLike, rid: str) -> list[SegmentInfo]:
-    """Segments of `rid` sorted by start position ([] if the rid has none)."""
+    """Segments of `rid` sorted by start position ([] if the rid has none). SegmentError if the server
+    marked a segment of it as failed (`mark_failed`): it will never be complete."""
     directory = _rid_dir(spool_dir, rid)
     if not directory.is_dir():
         return []
@@ -178,6 +207,8 @@ def list_segments(spool_dir: str | os.PathLike, rid: str) -> list[SegmentInfo]:
         if entry.name.startswith("."):
             continue  # an atomic write still in flight (temp file)
         match = _SEGMENT_FILE.match(entry.name)
+        if _FAILED_FILE.match(entry.name) and entry.is_file():
+            raise SegmentError(f"capture of {rid!r} failed in the server's writer: {_failure_text(entry)}")
         if not match or not entry.is_file():
             raise SegmentError(
                 f"unexpected entry {entry} in the capture spool; only <start:010d>.safetensors belongs there"
@@ -445,7 +476,8 @@ def release(spool_dir: str | os.PathLike, rid: str) -> int:
     for entry in directory.iterdir():
         is_segment = _SEGMENT_FILE.match(entry.name) is not None
         is_temp = entry.name.startswith(".") and entry.name.endswith(".tmp")
-        if (is_segment or is_temp) and entry.is_file() and not entry.is_symlink():
+        is_failure = _FAILED_FILE.match(entry.name) is not None
+        if (is_segment or is_temp or is_failure) and entry.is_file() and not entry.is_symlink():
             entry.unlink()
             removed += int(is_segment)
     try:

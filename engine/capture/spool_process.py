@@ -12,7 +12,8 @@ way: its rows are packed into as many slots as they need, a row longer than a sl
 consecutive segments (a batch too large for one slot used to fall back to the server's own writer
 threads, the path this process exists to avoid). The child writes the segments with `write_segment`
 (the same files, byte for byte, as the in-process writers) on its own threads and answers with one
-error per segment. A slot is reused once its reply is back, so at most `slots` slots are in the
+error per segment; the caller may also hear when a batch is in the child's hands (`on_handed`), which
+the local server answers its requests on. A slot is reused once its reply is back, so at most `slots` slots are in the
 child's hands; `submit_packed` blocks for a free one (backpressure, as the writer queue does in-process).
 
 If the child dies, every batch it held is answered with an error naming the exit code (the
@@ -71,13 +72,24 @@ class SpoolProcessError(EngineError, RuntimeError):
 
 class _Gather:
     """One `submit_packed`'s answer, put together from its slots' replies: one error (or None) per piece,
-    a piece cut over several slots keeping its first error; `on_done` once the last slot is back."""
+    a piece cut over several slots keeping its first error; `on_done` once the last slot is back, and
+    `on_handed` once the last slot is in the child's hands (never if one fails before that)."""
 
-    def __init__(self, pieces: int, slots: int, on_done: Callable[[list[str | None]], None]) -> None:
+    def __init__(self, pieces: int, slots: int, on_done: Callable[[list[str | None]], None],
+                 on_handed: Callable[[], None] | None = None) -> None:
         self.errors: list[str | None] = [None] * pieces
         self.slots = slots
+        self.unsent = slots
         self.on_done = on_done
+        self.on_handed = on_handed
         self.lock = threading.Lock()
+
+    def slot_sent(self) -> None:
+        with self.lock:
+            self.unsent -= 1
+            last = self.unsent == 0
+        if last and self.on_handed is not None:
+            self.on_handed()
 
     def slot_done(self, indices: list[int], errors: list[str | None]) -> None:
         with self.lock:
@@ -329,7 +341,8 @@ class SpoolWriterProcess:
         return max(0, (self.slot_bytes - _BLOCK_SLACK) // per_token)
 
     def submit_packed(self, segments: Sequence[tuple[str, int, int]], ids: torch.Tensor, aux: torch.Tensor,
-                      final: torch.Tensor, on_done: Callable[[list[str | None]], None]) -> None:
+                      final: torch.Tensor, on_done: Callable[[list[str | None]], None],
+                      on_handed: Callable[[], None] | None = None) -> None:
         """Hand a packed batch to the child: segment i is (rid, start position, tokens) and its rows follow
         segment i-1's in ids [T], aux [T, k*H], final [T, H]. The rows are packed into as many slots as they
         need, one copy a tensor a slot and no per-segment view (in a server the Python between two batches
@@ -339,7 +352,10 @@ class SpoolWriterProcess:
         copied on the current stream, straight into the arena (registered with CUDA on first use): a slot
         goes to the child once its copies have landed, and the tensors are kept alive until then. Blocks
         while every slot is in the child's hands. `on_done(errors)` is called once, later, from another
-        thread, with one None or error message per segment.
+        thread, with one None or error message per segment. `on_handed()`, if given, is called once every slot
+        of the batch has landed and gone to the child (from another thread, before or after `on_done`): the
+        states no longer depend on the caller's memory, and the child writes them even if this process dies;
+        it is not called if a slot fails before that.
 
         SpoolProcessError only when nothing was handed over (the child is gone); if it dies between two
         slots, the segments not handed over are answered with that error instead."""
@@ -355,7 +371,7 @@ class SpoolWriterProcess:
             first_row, tokens = offsets[index] + first, sum(n for *_, n in rows)
             slots.append((rows, [index for index, *_ in parts],
                           [[t[first_row:first_row + tokens]] for t in (ids, aux, final)]))
-        self._hand_over(slots, len(counts), on_done)
+        self._hand_over(slots, len(counts), on_done, on_handed)
 
     def _room(self, ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor) -> int:
         """Tokens one slot holds of states of these widths and dtypes; ValueError if not one."""
@@ -366,13 +382,16 @@ class SpoolWriterProcess:
         return room
 
     def _hand_over(self, slots: list[tuple[list[tuple[str, int, int, int]], list[int], list[list[torch.Tensor]]]],
-                   count: int, on_done: Callable[[list[str | None]], None]) -> None:
+                   count: int, on_done: Callable[[list[str | None]], None],
+                   on_handed: Callable[[], None] | None) -> None:
         """Fill the slots one after another (rows, the index of each row's segment, its sources) and answer
         the batch's `count` segments once; see submit_packed for what a child dying between two slots does."""
         if not slots:  # pieces of no tokens: nothing to write
+            if on_handed is not None:
+                on_handed()
             on_done([None] * count)
             return
-        gather = _Gather(count, len(slots), on_done)
+        gather = _Gather(count, len(slots), on_done, on_handed)
         for number, (rows, indices, sources) in enumerate(slots):
             try:
                 self._fill(rows, indices, sources, gather)
@@ -447,6 +466,8 @@ class SpoolWriterProcess:
             if error is not None:
                 self._free.put(filled.slot)
                 filled.answer([error] * len(filled.rows))
+            else:
+                filled.gather.slot_sent()
 
     def _read_replies(self) -> None:
         clean = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,46 @@ def copies_landed(stream: Any) -> Any:
     event = torch.cuda.Event(blocking=True)
     event.record(stream)
     return event
+
+
+class _AnswerOnHandover:
+    """Answers a batch's captured requests as soon as the writer process holds their states, not once
+    the segments are written: the clients send their next requests while the child writes, so the
+    model is not left waiting on the spool (SGLang's hook answers before its writes too; readers wait
+    for the segments, `open_capture`). A write that fails after the answer leaves a failure mark in the
+    spool instead (`mark_failed`), so a reader fails at once with the reason; a batch that never reached
+    the child is answered with its errors."""
+
+    def __init__(self, batch: list[Completion], segments: list[tuple[str, int, int]], spool_dir: Path) -> None:
+        self.batch, self.segments, self.spool_dir = batch, segments, spool_dir
+        self.lock = threading.Lock()
+        self.answered = False
+
+    def handed(self) -> None:
+        with self.lock:
+            if self.answered:
+                return
+            self.answered = True
+        for completion in self.batch:
+            completion.finish_capture()
+
+    def written(self, errors: list[str | None]) -> None:
+        with self.lock:
+            late, self.answered = self.answered, True
+        if not late:
+            for completion, error in zip(self.batch, errors):
+                completion.finish_capture(error=error)
+            return
+        from engine.capture.segments import mark_failed
+
+        for (rid, start, _), error in zip(self.segments, errors):
+            if error is not None:
+                print(f"capture: request {rid}: {error}", file=sys.stderr)
+                try:
+                    mark_failed(self.spool_dir, rid, start, error)
+                except OSError as exc:  # e.g. a full spool: the reader's patience runs out instead
+                    print(f"capture: request {rid}: cannot mark its capture failed ({one_line(exc)})",
+                          file=sys.stderr)
 
 
 class CaptureSink:
@@ -217,19 +258,16 @@ class CaptureSink:
                 keep = keep.pin_memory().to(final.device, non_blocking=True)
             aux, final = aux.index_select(0, keep), final.index_select(0, keep)
         segments = [(completion.request.rid, 0, n) for completion, n in zip(batch, counts)]
-
-        def answer(errors: list[str | None]) -> None:
-            for completion, error in zip(batch, errors):
-                completion.finish_capture(error=error)
+        answer = _AnswerOnHandover(batch, segments, self.config.spool_dir)
 
         for completion in batch:
             completion.capture_queued = True
         try:
             if final.is_cuda:
                 with torch.cuda.stream(self._copy_stream_after(aux, final)):
-                    writer.submit_packed(segments, ids, aux, final, answer)
+                    writer.submit_packed(segments, ids, aux, final, answer.written, answer.handed)
             else:
-                writer.submit_packed(segments, ids, aux, final, answer)
+                writer.submit_packed(segments, ids, aux, final, answer.written, answer.handed)
         except SpoolProcessError:  # the child is gone (on_failure said so): the threads take the batch
             return False
         return True

@@ -6,8 +6,9 @@
   as they finish (on the scheduler's worker thread; token events go back through `emit`);
 - sampling.py: the next token; loading.py: the model directory; stats.py: the counters;
 - capture_hooks.py records the states during the prefill, capture_sink.py writes them to the spool.
-A request's `DoneEvent` is emitted only when generation has finished *and* its capture is complete in
-the spool (requests.Completion).
+A request's `DoneEvent` is emitted only when generation has finished *and* its capture is safe
+(requests.Completion): with the writer process, once the child holds the states (their segments follow,
+as SGLang's do; readers wait for them); with writer threads, once the segments are in the spool.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ class GenRequest:
 
 
 class Completion:
-    """Emits the request's DoneEvent once generation and capture have both finished, so a client may
-    assemble the capture as soon as the reply arrives."""
+    """Emits the request's DoneEvent once generation and capture have both finished (the capture: its
+    states are in the writer process's hands or in the spool, see model_runner)."""
 
     def __init__(self, request: GenRequest) -> None:
         self.request = request
