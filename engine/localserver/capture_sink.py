@@ -244,7 +244,7 @@ class CaptureSink:
         from engine.capture.spool_process import SpoolProcessError
 
         writer = self._live_process()
-        if writer is None:
+        if writer is None or self.config is None:
             return False
         batch = [completions[row] for row in rows]
         counts = [int(lengths[row]) for row in rows]
@@ -259,7 +259,6 @@ class CaptureSink:
             aux, final = aux.index_select(0, keep), final.index_select(0, keep)
         segments = [(completion.request.rid, 0, n) for completion, n in zip(batch, counts)]
         answer = _AnswerOnHandover(batch, segments, self.config.spool_dir)
-
         for completion in batch:
             completion.capture_queued = True
         try:
