@@ -426,6 +426,9 @@ def main() -> int:  # noqa: C901 - a linear script
         on, off = statistics.median(result["on"]), statistics.median(result["off"])
         device = torch.cuda.get_device_name(0) if gpu else f"CPU ({os.cpu_count()} cores)"
         max_batch = args.max_batch or args.concurrency
+        # One verdict for the JSON and the printout: the seeded bootstrap resamples by position, so the
+        # same ratios in another order (sorted) gave another interval.
+        verdict = ratio_verdict(round_ratios(result))
         summary = {"device": device, "model": f"random Llama {args.size} ({params / 1e6:.0f}M params, {dtype})",
                    "server": CAPTURE_PATH, "max_batch": max_batch,
                    "prompt_tokens": args.length, "requests_per_round": args.requests, "concurrency": args.concurrency,
@@ -433,7 +436,7 @@ def main() -> int:  # noqa: C901 - a linear script
                    "ratio_on_off": round(on / off, 3), "all_on": [round(x) for x in result["on"]],
                    "all_off": [round(x) for x in result["off"]], "spool_write_ceiling": ceiling,
                    "per_round_ratios": round_ratios(result), "clients": args.clients, "ablate": args.ablate,
-                   "capture_writer": writer, "verdict": ratio_verdict(round_ratios(result)),
+                   "capture_writer": writer, "verdict": verdict,
                    "order_effect_tok_s": order_effect(result),
                    "cpu_per_side": cpu_summary(result)}
         print(json.dumps(summary, indent=2))
@@ -447,7 +450,7 @@ def main() -> int:  # noqa: C901 - a linear script
                  "includes the time the capture adds before the answer)" if args.concurrency <= max_batch else ""))
         print(f"per-round ratios (round i on / round i off): min {pairs[0]:.3f}, median "
               f"{statistics.median(pairs):.3f}, max {pairs[-1]:.3f} over {len(pairs)} rounds")
-        print(ratio_verdict(pairs))
+        print(verdict)
         print("median tok/s by the side run just before: " + ", ".join(f"{k} {v:,}" for k, v in order_effect(result).items()))
         for side, figures in summary["cpu_per_side"].items():
             print(f"capture {side}: " + ", ".join(f"{k} {v}" for k, v in figures.items()) + f" ({args.clients} client processes)")
