@@ -11,6 +11,7 @@ the segments it writes are assembled with the real engine.capture.segments.assem
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -294,9 +295,14 @@ def test_a_batch_that_fails_is_reported_and_the_next_one_is_still_written(tmp_pa
     assert hook.flush(FLUSH_S)
     hook.close()
     assert hook.errors == ["lost@0: capture failed: copy failed: an illegal memory access was encountered"]
-    assert hook.written == 1 and hook.pending_bytes == 0 and sorted(p.name for p in spool.iterdir()) == ["kept"]
+    assert hook.written == 1 and hook.pending_bytes == 0 and sorted(p.name for p in spool.iterdir()) == ["kept", "lost"]
     cap = assemble(spool, "kept", expected_len=5, expected_input_ids=kept[0].tolist())
     assert torch.equal(cap.aux_hidden_state, kept[1]) and torch.equal(cap.hidden_state, kept[2])
+    # SGLang answered "lost" already: its reader fails at once with the reason, not after its patience.
+    started = time.monotonic()
+    with pytest.raises(SegmentError, match="failed in the server's writer: capture failed: copy failed: an illegal"):
+        assemble(spool, "lost", expected_len=5, wait_s=30)
+    assert time.monotonic() - started < 5 and [p.name for p in (spool / "lost").iterdir()] == ["0000000000.failed"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

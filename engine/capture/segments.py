@@ -166,6 +166,16 @@ def mark_failed(spool_dir: str | os.PathLike, rid: str, start: int, reason: str)
     return path
 
 
+def try_mark_failed(spool_dir: str | os.PathLike, rid: str, start: int, reason: str) -> str | None:
+    """`mark_failed` for a writer that must go on whatever happens: None, or why the mark could not be
+    written (a full spool, an unsafe rid), for its log; the reader then waits out its patience instead."""
+    try:
+        mark_failed(spool_dir, rid, start, reason)
+    except (OSError, EngineError) as exc:
+        return f"cannot mark the capture of {rid}@{start} failed: {exc}"
+    return None
+
+
 def _save(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str]) -> None:
     """A safetensors file streamed from the tensors' memory: `save_file` first copies them into
     one bytes object while holding the GIL, which the server's other threads wait for."""

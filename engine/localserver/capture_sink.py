@@ -77,16 +77,13 @@ class _AnswerOnHandover:
             for completion, error in zip(self.batch, errors):
                 completion.finish_capture(error=error)
             return
-        from engine.capture.segments import mark_failed
+        from engine.capture.segments import try_mark_failed
 
         for (rid, start, _), error in zip(self.segments, errors):
             if error is not None:
                 print(f"capture: request {rid}: {error}", file=sys.stderr)
-                try:
-                    mark_failed(self.spool_dir, rid, start, error)
-                except OSError as exc:  # e.g. a full spool: the reader's patience runs out instead
-                    print(f"capture: request {rid}: cannot mark its capture failed ({one_line(exc)})",
-                          file=sys.stderr)
+                if problem := try_mark_failed(self.spool_dir, rid, start, error):
+                    print(f"capture: {problem}", file=sys.stderr)
 
 
 class CaptureSink:

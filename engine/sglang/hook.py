@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.capture.segments import write_segment
+from engine.capture.segments import try_mark_failed, write_segment
 from engine.capture.spool_process import (DEFAULT_SLOT_TOKENS, WRITER_ENV, WRITER_MODES, slot_tokens_from_env,
                                           writer_mode_from_env)
 from engine.io.env import whole_number_from_env
@@ -302,6 +302,8 @@ class CaptureHook:
                 with self._idle:
                     self.errors.extend(f"{rid}@{start}: capture failed: {exc}" for rid, start, _ in pending.segments)
                 logger.error("eagle3-console capture hook: a captured batch was lost: %s", exc)
+                for rid, start, _ in pending.segments:
+                    self._mark_lost(rid, start, f"capture failed: {exc}")
             finally:
                 self._release(pending.nbytes)  # handed over, the process holds its own copy
                 if not handed:
@@ -356,6 +358,9 @@ class CaptureHook:
                     self.errors.append(f"{rid}@{start}: {error}")
                     logger.error("eagle3-console capture hook: writing %s@%d failed: %s", rid, start, error)
             self.batches_by_process += 1
+        for (rid, start, _), error in zip(segments, errors):
+            if error is not None:
+                self._mark_lost(rid, start, error)
         self._done()
 
     def _write_here(self, pending: _Pending) -> None:
@@ -368,6 +373,13 @@ class CaptureHook:
                 with self._idle:
                     self.errors.append(f"{rid}@{start}: {exc}")
                 logger.error("eagle3-console capture hook: writing %s@%d failed: %s", rid, start, exc)
+                self._mark_lost(rid, start, f"capture write failed: {exc}")
+
+    def _mark_lost(self, rid: str, start: int, reason: str) -> None:
+        """SGLang has answered the request already: leave the reason in the spool, so the reader fails at
+        once instead of waiting out extract.capture_wait_s."""
+        if problem := try_mark_failed(self.spool_dir, rid, start, reason):
+            logger.error("eagle3-console capture hook: %s", problem)
 
     def _release(self, nbytes: int) -> None:
         with self._idle:
