@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import socket
+import threading
 import time
 
 import psutil
@@ -85,6 +86,42 @@ def test_capture_stage_fails_when_server_runs_without_capture(chat_model_dir, tm
         assert "after waiting 1 s for the server's capture writer" in capture.results[-1].evidence
     finally:
         asyncio.run(manager.stop(grace=5))
+
+
+def test_capture_stage_fails_at_once_when_the_writer_loses_a_capture_after_the_answer(chat_model_dir, tmp_path):
+    """The server's writer process stopped: the probe is answered (its states are in the child's hands) and
+    waits for the segments; the child killed 2 s later: the stage fails then, with the reason and what to
+    do, not after extract.capture_wait_s."""
+    ws = make_ws(tmp_path, chat_model_dir, **{"extract.capture_wait_s": 120.0})
+    manager = ServerManager(ws)
+    asyncio.run(manager.start())
+    try:
+        writer = asyncio.run(_server_info(manager))["capture"]["writer"]
+        assert writer.startswith("process (pid "), writer
+        child = int(writer.removeprefix("process (pid ").split(")")[0].split(";")[0])
+        os.kill(child, signal.SIGSTOP)
+        killer = threading.Timer(2.0, os.kill, (child, signal.SIGKILL))
+        killer.start()
+        started = time.monotonic()
+        try:
+            capture = asyncio.run(Pipeline(CheckContext(ws)).run_stage("capture"))
+        finally:
+            killer.join()
+        assert time.monotonic() - started < 60
+        assert capture.state.value == "failed"
+        tokens = {r.name: r for r in capture.results}["tokens"]
+        assert "failed in the server's writer" in tokens.evidence and "exited (code -9)" in tokens.evidence
+        assert "failed after answering" in tokens.fix
+    finally:
+        asyncio.run(manager.stop(grace=5))
+
+
+async def _server_info(manager) -> dict:
+    client = manager.client()
+    try:
+        return await client.server_info()
+    finally:
+        await client.aclose()
 
 
 def test_kill_9_is_detected_as_crash_and_restarted(chat_model_dir, tmp_path):

@@ -61,6 +61,11 @@ class CaptureIncomplete(SegmentError):
     request before its hook's writer has written the states); a truncated prefill does too."""
 
 
+class CaptureLost(SegmentError):
+    """The server answered the request, then failed to write its capture and left the reason in the
+    spool (`mark_failed`): it will never be complete."""
+
+
 @dataclass(frozen=True)
 class SegmentInfo:
     path: Path
@@ -207,7 +212,7 @@ def _failure_text(path: Path) -> str:
 
 
 def list_segments(spool_dir: str | os.PathLike, rid: str) -> list[SegmentInfo]:
-    """Segments of `rid` sorted by start position ([] if the rid has none). SegmentError if the server
+    """Segments of `rid` sorted by start position ([] if the rid has none). CaptureLost if the server
     marked a segment of it as failed (`mark_failed`): it will never be complete."""
     directory = _rid_dir(spool_dir, rid)
     if not directory.is_dir():
@@ -218,7 +223,7 @@ def list_segments(spool_dir: str | os.PathLike, rid: str) -> list[SegmentInfo]:
             continue  # an atomic write still in flight (temp file)
         match = _SEGMENT_FILE.match(entry.name)
         if _FAILED_FILE.match(entry.name) and entry.is_file():
-            raise SegmentError(f"capture of {rid!r} failed in the server's writer: {_failure_text(entry)}")
+            raise CaptureLost(f"capture of {rid!r} failed in the server's writer: {_failure_text(entry)}")
         if not match or not entry.is_file():
             raise SegmentError(
                 f"unexpected entry {entry} in the capture spool; only <start:010d>.safetensors belongs there"

@@ -20,7 +20,7 @@ def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server
              wait_s: float) -> list[CheckResult]:
     import torch
 
-    from engine.capture.segments import CaptureIncomplete, SegmentError, assemble
+    from engine.capture.segments import CaptureIncomplete, CaptureLost, SegmentError, assemble
     from engine.model.target import text_config
     from engine.model.lmhead import LmHeadError, load_lm_head
 
@@ -33,6 +33,10 @@ def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server
                 cap = assemble(spool_dir, rid)  # what there is, for the checks below to name
             except CaptureIncomplete:
                 raise waited from None
+    except CaptureLost as exc:
+        return [failed("tokens", f"no usable capture for rid {rid}: {exc}",
+                       "the server's capture writer failed after answering: fix what the reason names (often a "
+                       "full spool disk, see the server log), then run the check again")]
     except (SegmentError, FileNotFoundError, OSError) as exc:
         return [failed("tokens", f"no usable capture for rid {rid}: {exc}",
                        "the server did not write segments: check it was started with capture on (server stage)")]
