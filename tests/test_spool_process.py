@@ -154,6 +154,23 @@ def test_a_batch_is_handed_over_before_it_is_written(writer):
         assert torch.equal(assemble(writer.spool_dir, rid, expected_len=n).aux_hidden_state, aux[int(rid[1]), :n])
 
 
+def test_a_stop_signal_to_the_group_does_not_lose_what_the_child_holds(writer):
+    """SIGTERM and SIGINT (a job stop or Ctrl-C reach the whole process group) while the child holds an
+    answered batch: it still writes it, and it ends only when told to."""
+    ids, aux, final = _batch(1, 6, 8, torch.bfloat16)
+    handed, replies = threading.Event(), _Replies()
+    os.kill(writer.pid, signal.SIGSTOP)
+    try:
+        writer.submit_packed([("kept", 0, 6)], *_packed([6], ids, aux, final), replies, on_handed=handed.set)
+        assert handed.wait(30)
+        os.kill(writer.pid, signal.SIGTERM)
+        os.kill(writer.pid, signal.SIGINT)
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+    assert replies.wait() == [None] and writer.alive
+    assert torch.equal(assemble(writer.spool_dir, "kept", expected_len=6).hidden_state, final[0])
+
+
 def test_submit_waits_for_a_free_slot(tmp_path):
     """Backpressure: with every slot in the (stopped) child's hands, submit blocks; it goes on as
     soon as the child answers."""

@@ -27,6 +27,7 @@ import itertools
 import math
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -509,6 +510,10 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
     from engine.system.procinfo import name_process
 
     name_process(WRITER_PROCESS_NAME)  # the server's CPU by process (bench/capture_overhead.py) names it
+    # A stop signal to the server's process group (a job stop, Ctrl-C) must not lose the batches the server has
+    # already answered for: this process ends when the server says so or is gone, after writing what it holds.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     shm = shared_memory.SharedMemory(name=shm_name)
     arena = torch.frombuffer(shm.buf, dtype=torch.uint8)
     send_lock = threading.Lock()
