@@ -13,8 +13,9 @@ consecutive segments (a batch too large for one slot used to fall back to the se
 threads, the path this process exists to avoid). The child writes the segments with `write_segment`
 (the same files, byte for byte, as the in-process writers) on its own threads and answers with one
 error per segment; the caller may also hear when a batch is in the child's hands (`on_handed`), which
-the local server answers its requests on. A slot is reused once its reply is back, so at most `slots` slots are in the
-child's hands; `submit_packed` blocks for a free one (backpressure, as the writer queue does in-process).
+the local server answers its requests on. A slot is reused once its reply is back, so at most `slots`
+slots are in the child's hands; `submit_packed` blocks for a free one (backpressure, as the writer queue
+does in-process).
 
 If the child dies, every batch it held is answered with an error naming the exit code (the
 extraction job retries those requests) and `submit_packed` raises `SpoolProcessError`: the caller
