@@ -15,6 +15,7 @@ from engine.capture.layers import (
 )
 from engine.capture.segments import (
     CaptureIncomplete,
+    CaptureLost,
     SegmentError,
     assemble,
     list_segments,
@@ -22,6 +23,7 @@ from engine.capture.segments import (
     open_capture,
     release,
     segment_path,
+    try_mark_failed,
     write_segment,
 )
 from engine.io.names import UnsafeNameError
@@ -350,3 +352,22 @@ def test_a_segment_marked_failed_fails_the_waiting_reader_at_once_and_is_release
     assert release(tmp_path, "lost") == 1 and not (tmp_path / "lost").exists()
     with pytest.raises(UnsafeNameError):
         mark_failed(tmp_path, "../escape", 0, reason)
+
+
+def test_a_full_spool_still_takes_the_failure_mark_without_its_reason(tmp_path):
+    """On a spool too full for another page (a real tmpfs filled to the last byte), the mark goes in empty
+    and the reader still fails at once, saying the spool was full."""
+    import errno
+
+    from faults.helpers import tmpfs
+
+    with tmpfs(tmp_path / "spool", "256k") as spool:
+        (spool / "full").mkdir()
+        with open(spool / "ballast", "wb", buffering=0) as handle:
+            with pytest.raises(OSError) as full:
+                while True:
+                    handle.write(b"\0" * 4096)
+        assert full.value.errno == errno.ENOSPC
+        assert try_mark_failed(spool, "full", 0, "capture write failed: [Errno 28] No space left on device") is None
+        with pytest.raises(CaptureLost, match="did not fit on the spool, which was full"):
+            open_capture(spool, "full", 4, wait_s=30)

@@ -22,6 +22,7 @@ segments from the failed attempt cannot overlap the new ones.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -177,6 +178,12 @@ def try_mark_failed(spool_dir: str | os.PathLike, rid: str, start: int, reason: 
     try:
         mark_failed(spool_dir, rid, start, reason)
     except (OSError, EngineError) as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:  # a full spool has no page for the reason, but an empty file needs none
+                mark_failed(spool_dir, rid, start, "")
+                return None
+            except OSError:
+                pass
         return f"cannot mark the capture of {rid}@{start} failed: {exc}"
     return None
 
@@ -204,9 +211,12 @@ def _rid_dir(spool_dir: str | os.PathLike, rid: str) -> Path:
     return directory
 
 
+FULL_SPOOL_REASON = "its reason did not fit on the spool, which was full (see the server log)"
+
+
 def _failure_text(path: Path) -> str:
     try:
-        return path.read_text("utf-8", "replace").strip() or "(no reason given)"
+        return path.read_text("utf-8", "replace").strip() or FULL_SPOOL_REASON
     except OSError as exc:
         return f"(its reason in {path} cannot be read: {exc.strerror})"
 
