@@ -356,7 +356,8 @@ def test_a_segment_marked_failed_fails_the_waiting_reader_at_once_and_is_release
 
 def test_a_full_spool_still_takes_the_failure_mark_without_its_reason(tmp_path):
     """On a spool too full for another page (a real tmpfs filled to the last byte), the mark goes in empty
-    and the reader still fails at once, saying the spool was full."""
+    and the reader still fails at once, saying the spool was full (`no_space`: the job pauses instead of
+    counting it against the sample). A later mark of the same segment does not replace the first."""
     import errno
 
     from faults.helpers import tmpfs
@@ -369,5 +370,9 @@ def test_a_full_spool_still_takes_the_failure_mark_without_its_reason(tmp_path):
                     handle.write(b"\0" * 4096)
         assert full.value.errno == errno.ENOSPC
         assert try_mark_failed(spool, "full", 0, "capture write failed: [Errno 28] No space left on device") is None
-        with pytest.raises(CaptureLost, match="did not fit on the spool, which was full"):
+        with pytest.raises(CaptureLost, match="was lost: the spool .* was full when the server wrote it") as lost:
             open_capture(spool, "full", 4, wait_s=30)
+        assert lost.value.no_space
+        assert try_mark_failed(spool, "full", 0, "the writer process exited") is None
+        assert sorted(p.name for p in (spool / "full").iterdir()) == ["0000000000.nospace"]
+        assert release(spool, "full") == 0 and not (spool / "full").exists()

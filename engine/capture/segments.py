@@ -5,6 +5,7 @@ byte-compatible spools. Layout:
 
     <spool>/<rid>/<start:010d>.safetensors
     <spool>/<rid>/<start:010d>.failed        why the segment at `start` will never come (text)
+    <spool>/<rid>/<start:010d>.nospace       the same, because the spool was full (empty: it needs no page)
 
 A segment holds, for prompt positions [start, start + n):
     input_ids         int64 [n]
@@ -41,7 +42,7 @@ from engine.errors import EngineError
 FORMAT_NAME = "eagle3-console/capture-segment"
 FORMAT_VERSION = "1"
 _SEGMENT_FILE = re.compile(r"^(\d{10})\.safetensors$")
-_FAILED_FILE = re.compile(r"^(\d{10})\.failed$")
+_FAILED_FILE = re.compile(r"^(\d{10})\.(failed|nospace)$")
 # safetensors dtype names of what a segment may hold, and their torch types.
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I64": torch.int64}
@@ -64,7 +65,17 @@ class CaptureIncomplete(SegmentError):
 
 class CaptureLost(SegmentError):
     """The server answered the request, then failed to write its capture and left the reason in the
-    spool (`mark_failed`): it will never be complete."""
+    spool (`mark_failed`): it will never be complete. `no_space`: because the spool was full, which is
+    not the sample's fault (capture it again once there is room)."""
+
+    def __init__(self, message: str, no_space: bool = False) -> None:
+        super().__init__(message)
+        self.no_space = no_space
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether a write failed for want of room (a full disk or quota)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True)
@@ -153,13 +164,14 @@ def write_segment(
     return path
 
 
-def mark_failed(spool_dir: str | os.PathLike, rid: str, start: int, reason: str) -> Path:
+def mark_failed(spool_dir: str | os.PathLike, rid: str, start: int, reason: str, no_space: bool = False) -> Path:
     """Publish why the segment of `rid` at `start` will never be written. A server that answers a request
     once its states are in its writer's hands (before the segment is on the spool) says so here when the
-    write then fails, so a reader fails at once with the reason instead of waiting out its patience."""
-    path = segment_path(spool_dir, rid, start).with_suffix(".failed")
+    write then fails, so a reader fails at once with the reason instead of waiting out its patience.
+    `no_space`: the spool was full; the mark is then empty, which a full spool still takes."""
+    path = segment_path(spool_dir, rid, start).with_suffix(".nospace" if no_space else ".failed")
     os.makedirs(path.parent, exist_ok=True)
-    data = reason.encode("utf-8", "replace")
+    data = b"" if no_space else reason.encode("utf-8", "replace")
 
     def write(tmp: str) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -172,15 +184,20 @@ def mark_failed(spool_dir: str | os.PathLike, rid: str, start: int, reason: str)
     return path
 
 
-def try_mark_failed(spool_dir: str | os.PathLike, rid: str, start: int, reason: str) -> str | None:
-    """`mark_failed` for a writer that must go on whatever happens: None, or why the mark could not be
-    written (a full spool, an unsafe rid), for its log; the reader then waits out its patience instead."""
+def try_mark_failed(spool_dir: str | os.PathLike, rid: str, start: int, reason: str,
+                    no_space: bool = False) -> str | None:
+    """`mark_failed` for a writer that must go on whatever happens, unless the segment is marked already
+    (the writer that saw the error marks first: it knows whether the spool was full): None, or why the
+    mark could not be written (an unsafe rid...), for its log; the reader then waits out its patience."""
     try:
-        mark_failed(spool_dir, rid, start, reason)
+        path = segment_path(spool_dir, rid, start)
+        if path.with_suffix(".failed").exists() or path.with_suffix(".nospace").exists():
+            return None
+        mark_failed(spool_dir, rid, start, reason, no_space)
     except (OSError, EngineError) as exc:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            try:  # a full spool has no page for the reason, but an empty file needs none
-                mark_failed(spool_dir, rid, start, "")
+        if is_no_space(exc) and not no_space:
+            try:  # no page left for the reason: the spool is full, and an empty mark says so
+                mark_failed(spool_dir, rid, start, reason, no_space=True)
                 return None
             except OSError:
                 pass
@@ -211,12 +228,9 @@ def _rid_dir(spool_dir: str | os.PathLike, rid: str) -> Path:
     return directory
 
 
-FULL_SPOOL_REASON = "its reason did not fit on the spool, which was full (see the server log)"
-
-
 def _failure_text(path: Path) -> str:
     try:
-        return path.read_text("utf-8", "replace").strip() or FULL_SPOOL_REASON
+        return path.read_text("utf-8", "replace").strip() or "(no reason given)"
     except OSError as exc:
         return f"(its reason in {path} cannot be read: {exc.strerror})"
 
@@ -232,7 +246,11 @@ def list_segments(spool_dir: str | os.PathLike, rid: str) -> list[SegmentInfo]:
         if entry.name.startswith("."):
             continue  # an atomic write still in flight (temp file)
         match = _SEGMENT_FILE.match(entry.name)
-        if _FAILED_FILE.match(entry.name) and entry.is_file():
+        failure = _FAILED_FILE.match(entry.name)
+        if failure and entry.is_file():
+            if failure.group(2) == "nospace":
+                raise CaptureLost(f"capture of {rid!r} was lost: the spool {directory.parent} was full when the "
+                                  "server wrote it", no_space=True)
             raise CaptureLost(f"capture of {rid!r} failed in the server's writer: {_failure_text(entry)}")
         if not match or not entry.is_file():
             raise SegmentError(

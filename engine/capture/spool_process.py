@@ -507,7 +507,7 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
     """The writer process: attach the arena, then write each batch's rows on `threads` threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.capture.segments import write_segment
+    from engine.capture.segments import is_no_space, try_mark_failed, write_segment
     from engine.system.procinfo import name_process
 
     name_process(WRITER_PROCESS_NAME)  # the server's CPU by process (bench/capture_overhead.py) names it
@@ -524,7 +524,10 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
         try:
             write_segment(spool_dir, rid, start, ids, aux, final, layers)
         except Exception as exc:  # reported per row: one bad request must not fail its batch
-            return f"capture write failed: {one_line(exc)}"
+            error = f"capture write failed: {one_line(exc)}"
+            # The server may have answered already: the mark tells the reader, and whether the spool was full.
+            try_mark_failed(spool_dir, rid, start, error, no_space=is_no_space(exc))
+            return error
         return None
 
     def write_batch(batch_id: int, base: int, segments: list[tuple[str, int, int, int]],

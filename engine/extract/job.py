@@ -82,6 +82,11 @@ class SampleFailed(Exception):
     """This sample's capture is wrong (retry, then record as bad)."""
 
 
+class SpoolFull(SampleFailed):
+    """The server lost the sample's capture because the spool was full: not the sample's fault; wait for
+    room and capture it again, as a full output disk pauses the job."""
+
+
 class Outage(Exception):
     """The server is unreachable: not the sample's fault, retry it after the server is back."""
 
@@ -363,12 +368,14 @@ class Extractor:
     async def capture(self, client, sample: PlannedSample, attempt: int, hidden: int):
         """The sample's capture as tensors (`AssembledCapture`), its spool released: for callers that
         use the states in memory rather than as a record."""
-        from engine.capture.segments import SegmentError, assemble, release
+        from engine.capture.segments import CaptureLost, SegmentError, assemble, release
 
         rid = await self.request(client, sample, attempt)
         try:
             return await asyncio.to_thread(assemble, self.spool, rid, len(sample.input_ids), sample.input_ids,
                                            self.cfg.extract.capture_wait_s)
+        except CaptureLost as exc:
+            raise (SpoolFull if exc.no_space else SampleFailed)(str(exc)) from None
         except (SegmentError, OSError) as exc:
             raise SampleFailed(str(exc)) from None
         finally:
@@ -385,12 +392,14 @@ class Extractor:
         trusts after a crash (online training's stream). SampleFailed/RecordError: the capture is wrong."""
         import torch
 
-        from engine.capture.segments import SegmentError, open_capture, release
+        from engine.capture.segments import CaptureLost, SegmentError, open_capture, release
 
         try:
             try:
                 capture = open_capture(self.spool, rid, len(sample.input_ids), sample.input_ids,
                                        self.cfg.extract.capture_wait_s)
+            except CaptureLost as exc:
+                raise (SpoolFull if exc.no_space else SampleFailed)(str(exc)) from None
             except (SegmentError, OSError) as exc:
                 raise SampleFailed(str(exc)) from None
             with capture:
@@ -464,6 +473,10 @@ class Extractor:
                 entry = await self._in_writer(self._write, sample, rid, hidden)
             except Outage:
                 await self.wait_for_server(clients[i][0], primary=(i == 0))
+                continue
+            except SpoolFull as exc:
+                self.event("paused", reason=f"spool full while capturing {sample.id}: {exc}")
+                await asyncio.sleep(1.0)
                 continue
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):

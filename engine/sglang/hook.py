@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.capture.segments import try_mark_failed, write_segment
+from engine.capture.segments import is_no_space, try_mark_failed, write_segment
 from engine.capture.spool_process import (DEFAULT_SLOT_TOKENS, WRITER_ENV, WRITER_MODES, slot_tokens_from_env,
                                           writer_mode_from_env)
 from engine.io.env import whole_number_from_env
@@ -373,12 +373,12 @@ class CaptureHook:
                 with self._idle:
                     self.errors.append(f"{rid}@{start}: {exc}")
                 logger.error("eagle3-console capture hook: writing %s@%d failed: %s", rid, start, exc)
-                self._mark_lost(rid, start, f"capture write failed: {exc}")
+                self._mark_lost(rid, start, f"capture write failed: {exc}", is_no_space(exc))
 
-    def _mark_lost(self, rid: str, start: int, reason: str) -> None:
+    def _mark_lost(self, rid: str, start: int, reason: str, no_space: bool = False) -> None:
         """SGLang has answered the request already: leave the reason in the spool, so the reader fails at
-        once instead of waiting out extract.capture_wait_s."""
-        if problem := try_mark_failed(self.spool_dir, rid, start, reason):
+        once instead of waiting out extract.capture_wait_s (the writer process marks its own failures)."""
+        if problem := try_mark_failed(self.spool_dir, rid, start, reason, no_space):
             logger.error("eagle3-console capture hook: %s", problem)
 
     def _release(self, nbytes: int) -> None:

@@ -279,7 +279,7 @@ class Capturer:
                 self.send("stored", order.seq, entry)
 
     async def _capture(self, order: Order):
-        from engine.extract.job import Outage, SampleFailed
+        from engine.extract.job import Outage, SampleFailed, SpoolFull
         from engine.records import RecordError
 
         extractor, retries, attempt = self.extractor, self.cfg.extract.max_retries, 0
@@ -301,6 +301,9 @@ class Capturer:
             except Outage:
                 await extractor.wait_for_server(self.clients[i][0], primary=(i == 0 and self.spec.rank == 0))
                 await asyncio.sleep(0.5)  # it returns at once when a stop is asked: no busy loop
+            except SpoolFull as exc:  # the server's spool, not the window: the trainer's progress does not free it
+                self.event("retry", id=order.sample.id, attempt=attempt, reason=str(exc))
+                await asyncio.sleep(1.0)
             except (SampleFailed, RecordError) as exc:
                 attempt += 1
                 if attempt > retries:
