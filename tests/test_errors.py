@@ -11,7 +11,8 @@ import engine
 from engine.errors import EngineError
 
 # Control flow inside one module, never shown to anyone.
-INTERNAL = {"engine.extract.job.SampleFailed", "engine.extract.job.Outage", "engine.dataset.formats._LineError"}
+INTERNAL = {"engine.extract.job.SampleFailed", "engine.extract.job.SpoolFull", "engine.extract.job.Outage",
+            "engine.dataset.formats._LineError"}
 
 
 def engine_exceptions():
