@@ -342,3 +342,32 @@ def test_a_capture_written_after_its_rid_was_given_up_on_is_freed_when_the_run_e
     assert (ws.spool_dir / foreign).is_dir(), "another workspace's capture is not ours to free"
     assert not (ws.spool_dir / stray).exists(), "this session's stray capture stays on the spool (often tmpfs)"
     _assert_exactly_once(ws)
+
+
+def test_a_capture_lost_to_a_full_spool_pauses_the_sample_and_spends_no_retry(server_ws, monkeypatch):
+    """The server answered, then found the spool full (its `.nospace` mark, put here the first time each
+    of two samples is read): the job pauses and captures those samples again under the same attempt,
+    so even with no retry allowed nothing is bad and every record is there once."""
+    import engine.capture.segments as segments
+
+    ws = server_ws
+    ws.save_config(set_value(ws.config, "extract.max_retries", 0))
+    ws.reload()
+    real_open, lost = segments.open_capture, set()
+
+    def open_after_a_full_spool(spool, rid, *args, **kwargs):
+        sample = rid.split("-")[0]
+        if sample in ("x0", "x1") and sample not in lost:
+            lost.add(sample)
+            segments.mark_failed(spool, rid, 0, "", no_space=True)
+        return real_open(spool, rid, *args, **kwargs)
+
+    monkeypatch.setattr(segments, "open_capture", open_after_a_full_spool)
+    extractor, events = Extractor(ws), []
+    extractor.event = lambda kind, **data: events.append((kind, data))
+    assert asyncio.run(extractor.run()) == 0
+    paused = [data["reason"] for kind, data in events if kind == "paused"]
+    assert len(paused) == 2 and all("spool full while capturing" in r and "was full when the server wrote it" in r
+                                    for r in paused), paused
+    assert not [kind for kind, _ in events if kind in ("retry", "bad_sample")]
+    _assert_exactly_once(ws)
