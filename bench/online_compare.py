@@ -40,7 +40,7 @@ class DirPeak(threading.Thread):
 
         while not self._stop_event.is_set():
             t = time.monotonic()
-            size = tree_bytes(self.root) if self.root.exists() else 0
+            size = tree_bytes(self.root)  # 0 before the window exists
             self.slowest_sample_s = max(self.slowest_sample_s, time.monotonic() - t)
             self.samples += 1
             if size > self.peak:

@@ -87,6 +87,14 @@ class SpoolFull(SampleFailed):
     room and capture it again, as a full output disk pauses the job."""
 
 
+def capture_failure(exc: Exception) -> SampleFailed:
+    """What a capture that cannot be read means for its sample: SpoolFull if the server lost it to a full
+    spool, else SampleFailed."""
+    from engine.capture.segments import CaptureLost
+
+    return (SpoolFull if isinstance(exc, CaptureLost) and exc.no_space else SampleFailed)(str(exc))
+
+
 class Outage(Exception):
     """The server is unreachable: not the sample's fault, retry it after the server is back."""
 
@@ -368,16 +376,14 @@ class Extractor:
     async def capture(self, client, sample: PlannedSample, attempt: int, hidden: int):
         """The sample's capture as tensors (`AssembledCapture`), its spool released: for callers that
         use the states in memory rather than as a record."""
-        from engine.capture.segments import CaptureLost, SegmentError, assemble, release
+        from engine.capture.segments import SegmentError, assemble, release
 
         rid = await self.request(client, sample, attempt)
         try:
             return await asyncio.to_thread(assemble, self.spool, rid, len(sample.input_ids), sample.input_ids,
                                            self.cfg.extract.capture_wait_s)
-        except CaptureLost as exc:
-            raise (SpoolFull if exc.no_space else SampleFailed)(str(exc)) from None
         except (SegmentError, OSError) as exc:
-            raise SampleFailed(str(exc)) from None
+            raise capture_failure(exc) from None
         finally:
             await asyncio.to_thread(release, self.spool, rid)
 
@@ -392,16 +398,14 @@ class Extractor:
         trusts after a crash (online training's stream). SampleFailed/RecordError: the capture is wrong."""
         import torch
 
-        from engine.capture.segments import CaptureLost, SegmentError, open_capture, release
+        from engine.capture.segments import SegmentError, open_capture, release
 
         try:
             try:
                 capture = open_capture(self.spool, rid, len(sample.input_ids), sample.input_ids,
                                        self.cfg.extract.capture_wait_s)
-            except CaptureLost as exc:
-                raise (SpoolFull if exc.no_space else SampleFailed)(str(exc)) from None
             except (SegmentError, OSError) as exc:
-                raise SampleFailed(str(exc)) from None
+                raise capture_failure(exc) from None
             with capture:
                 aux_width = capture.segments[0].blocks["aux_hidden_state"].shape[1]
                 if capture.hidden_size != hidden or aux_width != 3 * hidden:
