@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from tests.helpers.processes import writer_child_pid
 from tests.helpers.workspaces import make_workspace, write_conversations
 from engine.checks.context import CheckContext
 from engine.pipeline import Pipeline
@@ -96,9 +97,7 @@ def test_capture_stage_fails_at_once_when_the_writer_loses_a_capture_after_the_a
     manager = ServerManager(ws)
     asyncio.run(manager.start())
     try:
-        writer = asyncio.run(_server_info(manager))["capture"]["writer"]
-        assert writer.startswith("process (pid "), writer
-        child = int(writer.removeprefix("process (pid ").split(")")[0].split(";")[0])
+        child = writer_child_pid(asyncio.run(_server_info(manager))["capture"]["writer"])
         os.kill(child, signal.SIGSTOP)
         killer = threading.Timer(2.0, os.kill, (child, signal.SIGKILL))
         killer.start()

@@ -4,7 +4,7 @@ threads when that child is killed under it."""
 
 from __future__ import annotations
 
-from tests.helpers.processes import free_port, local_server_argv, stop_process, wait_healthy
+from tests.helpers.processes import free_port, local_server_argv, stop_process, wait_healthy, writer_child_pid
 
 import asyncio
 import contextlib
@@ -356,9 +356,7 @@ def _server_with_writer_process(model_dir: Path, tmp_path: Path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)
-        writer = httpx.get(f"{url}/server_info", timeout=10).json()["capture"]["writer"]
-        assert writer.startswith("process (pid "), writer
-        yield url, spool, int(writer.removeprefix("process (pid ").rstrip(")")), log
+        yield url, spool, writer_child_pid(_writer_description(url)), log
     finally:
         stop_process(proc)
 

@@ -45,6 +45,13 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 4
         time.sleep(0.2)
 
 
+def writer_child_pid(description: str) -> int:
+    """The capture writer child's pid from /server_info's capture.writer ("process (pid N[; ...])");
+    AssertionError if the server writes on threads."""
+    assert description.startswith("process (pid "), description
+    return int(description.removeprefix("process (pid ").split(")")[0].split(";")[0])
+
+
 def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """SIGTERM a test's server process, SIGKILL it if it has not exited after `grace` seconds."""
     proc.terminate()
