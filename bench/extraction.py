@@ -24,11 +24,13 @@ import os
 import random
 import secrets
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -167,6 +169,38 @@ def plain_file_mb_s(path: Path, total: int) -> float:
     return total / (time.perf_counter() - started) / 1e6
 
 
+def plain_mb_s_beside(ws, total: int) -> float:
+    """One plain file of `total` bytes on the records' file system, removed afterwards."""
+    scratch = Path(tempfile.mkdtemp(prefix=".extbench-disk-", dir=ws.hidden_dir.parent))
+    try:
+        log(f"disk: one plain file of {total:,} bytes")
+        return plain_file_mb_s(scratch / "plain.bin", total)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def extract_once(ws, job_dir: Path, extractor, timer) -> dict | None:
+    """One extraction job in this process against the running server; its figures, or None if it failed."""
+    ctx = EventLog(job_dir)
+    ctx.job_dir.mkdir()
+    if timer is not None:
+        timer.install()
+    wall = time.perf_counter()
+    code = asyncio.run(extractor(ws, ctx).run())
+    wall = time.perf_counter() - wall
+    # Taken now: the disk measurements fsync too, and the timers count every fsync.
+    steps = timer.snapshot() if timer is not None else None
+    finished, begun = ctx.first("finished"), ctx.first("started")
+    if code != 0 or finished is None or begun is None:
+        print(f"extraction bench: the extraction job ended with code {code}: "
+              f"{[e for e in ctx.events if e['type'] not in ('retry',)][-5:]}", file=sys.stderr)
+        return None
+    seconds = finished["t"] - begun["t"]  # like gpu_end_to_end.py: "started" to "finished"
+    return {"samples": finished["samples"], "tokens": finished["tokens"], "bytes": finished["bytes"],
+            "bad": finished.get("bad", 0), "seconds": round(seconds, 2), "wall_with_planning_s": round(wall, 2),
+            "extraction_mb_s": round(finished["bytes"] / seconds / 1e6, 2), "steps": steps}
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -207,58 +241,69 @@ def run(args) -> int:  # noqa: C901 - a linear script
         log("starting the server (capture on)")
         asyncio.run(manager.start(capture=True))
 
-        ctx = EventLog(temp / "job")
-        ctx.job_dir.mkdir()
         limit_torch_threads(ws.config.extract.concurrency)  # as the job process does
+        timer: Any = None
         if args.steps:
-            import step_timer
-
-            step_timer.install()
-        wall = time.perf_counter()
-        code = asyncio.run(Extractor(ws, ctx).run())
-        wall = time.perf_counter() - wall
-        # Taken now: the disk measurements below fsync too, and the timers count every fsync.
-        steps = step_timer.snapshot() if args.steps else None
-        finished, begun = ctx.first("finished"), ctx.first("started")
-        if code != 0 or finished is None or begun is None:
-            print(f"extraction bench: the extraction job ended with code {code}: "
-                  f"{[e for e in ctx.events if e['type'] not in ('retry',)][-5:]}", file=sys.stderr)
-            return 1
-        if started_server:  # free the CPU/GPU before timing the disk alone
+            import step_timer as timer
+        base_run = ws.config.extract.run
+        pairs: list[dict[str, Any]] = []
+        for pair in range(args.pairs):
+            if args.pairs > 1:  # each pair extracts into a fresh run; the last pair's records are freed below
+                ws._config = set_value(ws.config, "extract.run", f"{base_run}-pair{pair}")
+                own_run = ws.hidden_dir if args.workspace else None
+            # Odd pairs time the disk first (the same bytes as the pair before): a drift of the disk over
+            # the run (its cache filling, the host's writeback) then lands on both sides of the median.
+            disk_first = pair % 2 == 1
+            plain_before = plain_mb_s_beside(ws, pairs[-1]["bytes"]) if disk_first else None
+            job = extract_once(ws, temp / f"job{pair}", Extractor, timer)
+            if job is None:
+                return 1
+            plain = plain_before or plain_mb_s_beside(ws, job["bytes"])
+            pairs.append({**job, "plain_sequential_mb_s": round(plain, 1), "plain_first": disk_first,
+                          "ratio_extraction_plain": round(job["extraction_mb_s"] / plain, 4)})
+            log(f"pair {pair + 1}/{args.pairs}: job {job['extraction_mb_s']:,.1f} MB/s, plain {plain:,.1f} MB/s, "
+                f"ratio {pairs[-1]['ratio_extraction_plain']:.3f}")
+            if args.pairs > 1:
+                shutil.rmtree(ws.hidden_dir, ignore_errors=True)  # this bench's own records: the disk stays as it was
+                os.sync()
+        if started_server:
             asyncio.run(manager.stop(grace=10))
             started_server = False
-        seconds = finished["t"] - begun["t"]  # like gpu_end_to_end.py: "started" to "finished"
-        samples, tokens, total = finished["samples"], finished["tokens"], finished["bytes"]
-        ext_mb_s = total / seconds / 1e6
-
-        # The same bytes on the same file system (next to the run directory), the same run.
-        scratch = Path(tempfile.mkdtemp(prefix=".extbench-disk-", dir=ws.hidden_dir.parent))
-        try:
-            atomic_mb_s = 0.0
-            if not args.skip_atomic:
+        last = pairs[-1]
+        samples, tokens, total, seconds = last["samples"], last["tokens"], last["bytes"], last["seconds"]
+        atomic_mb_s = 0.0
+        if not args.skip_atomic:
+            scratch = Path(tempfile.mkdtemp(prefix=".extbench-disk-", dir=ws.hidden_dir.parent))
+            try:
                 log(f"disk: {samples} atomic files of {total // samples:,} bytes")
                 atomic_mb_s = atomic_files_mb_s(scratch / "atomic", samples, total // samples)
-                shutil.rmtree(scratch / "atomic")
-            log(f"disk: one plain file of {total:,} bytes")
-            plain_mb_s = plain_file_mb_s(scratch / "plain.bin", total)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        ratios = sorted(p["ratio_extraction_plain"] for p in pairs)
+        ratio = statistics.median(ratios)
+        ext_mb_s = statistics.median(p["extraction_mb_s"] for p in pairs)
+        plain_mb_s = statistics.median(p["plain_sequential_mb_s"] for p in pairs)
+        steps = last.pop("steps", None)
+        for p in pairs:
+            p.pop("steps", None)
 
         device = torch.cuda.get_device_name(0) if gpu else f"CPU ({os.cpu_count()} cores)"
         summary = {"device": device, "model": label, "workspace": "given" if args.workspace else args.size,
                    "output_dir": str(ws.hidden_dir.parent), "concurrency": ws.config.extract.concurrency,
-                   "samples": samples, "tokens": tokens, "bytes": total, "bad": finished.get("bad", 0),
-                   "seconds": round(seconds, 2), "wall_with_planning_s": round(wall, 2),
+                   "samples": samples, "tokens": tokens, "bytes": total, "bad": last["bad"],
+                   "seconds": round(seconds, 2), "wall_with_planning_s": last["wall_with_planning_s"],
                    "extraction_tok_s": round(tokens / seconds, 1), "extraction_mb_s": round(ext_mb_s, 2),
                    "avg_record_bytes": total // samples, "bytes_per_token": round(total / tokens, 1),
                    "atomic_files_mb_s": round(atomic_mb_s, 1),
-                   "plain_sequential_mb_s": round(plain_mb_s, 1), "ratio_extraction_plain": round(ext_mb_s / plain_mb_s, 4),
-                   "ratio_atomic_plain": round(atomic_mb_s / plain_mb_s, 4)}
+                   "plain_sequential_mb_s": round(plain_mb_s, 1), "ratio_extraction_plain": round(ratio, 4),
+                   "ratio_atomic_plain": round(atomic_mb_s / plain_mb_s, 4), "pairs": pairs}
         if args.steps:
-            summary["steps"] = step_timer.report(samples, seconds, steps)
+            summary["steps"] = timer.report(samples, seconds, steps)
         print(json.dumps(summary, indent=2))
-        print(f"extraction write ratio (extraction/plain): {ext_mb_s / plain_mb_s:.4f}  [{ext_mb_s:,.1f} vs "
-              f"{plain_mb_s:,.1f} MB/s; atomic small files {atomic_mb_s:,.1f} MB/s; {tokens / seconds:,.0f} tok/s, {device}]")
+        spread = f"; per pair {' / '.join(f'{r:.3f}' for r in ratios)}" if len(pairs) > 1 else ""
+        print(f"extraction write ratio (extraction/plain): {ratio:.4f}  [{ext_mb_s:,.1f} vs {plain_mb_s:,.1f} MB/s"
+              f"{' (medians of ' + str(len(pairs)) + ' pairs)' if len(pairs) > 1 else ''}; atomic small files "
+              f"{atomic_mb_s:,.1f} MB/s; {tokens / seconds:,.0f} tok/s, {device}{spread}]")
         return 0
     finally:
         if manager is not None and started_server:
@@ -283,6 +328,9 @@ def main() -> int:
                         help="leave out the atomic small-files write (the plain write is the ratio's measure)")
     parser.add_argument("--steps", action="store_true",
                         help="time each step of the job's per-record path (bench/step_timer.py)")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="job + plain write pairs against one server, the disk first in every other pair; "
+                             "the ratio is the median of the pairs' ratios")
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="parent of the capture spool (tiny/1b/e2e)")
     args = parser.parse_args()
@@ -292,6 +340,10 @@ def main() -> int:
         if not Workspace(args.workspace).exists():
             parser.error(f"--workspace {args.workspace} is not a workspace (no config file there): "
                          "run `eagle3-console init DIR` first, or leave --workspace out to build the demo")
+    if args.pairs < 1:
+        parser.error(f"--pairs {args.pairs}: give 1 or more")
+    if args.steps and args.pairs > 1:
+        parser.error("--steps times one job: leave out --pairs or give --pairs 1")
     big = args.size in ("1b", "e2e")
     args.samples = args.samples or (400 if big else 64)
     args.response_words = args.response_words or (400 if big else 60)
