@@ -28,7 +28,7 @@ item() {  # item NAME LIMIT_S PATTERN BENCH ARGS...
 
 capture_lines="capture overhead ratio|median per-round|capture on:|capture off:"
 item extraction_1b 150 "extraction write ratio" bench/extraction.py --size 1b --samples 240 --pairs 3 --skip-atomic --out-dir "$disk"
-item capture_1b 180 "$capture_lines" bench/capture_overhead.py --size 1b --length 2048 --requests 384 --rounds 8 --clients 4 --concurrency 16 --max-batch 16
-item capture_e2e 150 "$capture_lines" bench/capture_overhead.py --size e2e --length 512 --requests 768 --rounds 16 --clients 8 --concurrency 64 --max-batch 64
-item extraction_e2e 90 "extraction write ratio" bench/extraction.py --size e2e --samples 800 --concurrency 32 --skip-atomic --out-dir "$disk"
+item capture_1b 150 "$capture_lines" bench/capture_overhead.py --size 1b --length 2048 --requests 384 --rounds 8 --clients 4 --concurrency 16 --max-batch 16
+item capture_e2e 200 "$capture_lines" bench/capture_overhead.py --size e2e --length 512 --requests 768 --rounds 40 --clients 8 --concurrency 64 --max-batch 64
+item extraction_e2e 70 "extraction write ratio" bench/extraction.py --size e2e --samples 800 --concurrency 32 --skip-atomic --out-dir "$disk"
 [ -n "$own_disk" ] && rmdir "$own_disk"  # the benches remove their own files; a given DISK_DIR stays

@@ -200,9 +200,11 @@ async def run_round(clients: _Clients, capture: bool, n: int, length: int, vocab
     prompts = _prompts(n, length, vocab, seed)
     if PHASE_FILE:
         Path(PHASE_FILE).write_text("on" if capture else "off")
+    batches_before = await _prefill_counts(clients.url)
     before = _tree_cpu_by_name(server_pid)
     parts = await clients.round(capture, prompts, concurrency, seed)
     after = _tree_cpu_by_name(server_pid)
+    batches_after = await _prefill_counts(clients.url)
     by_process = {name: after[name] - before.get(name, 0.0) for name in after}
     server_cpu = sum(by_process.values())
     if PHASE_FILE:
@@ -213,7 +215,27 @@ async def run_round(clients: _Clients, capture: bool, n: int, length: int, vocab
             "client_cpu_ms_per_req": 1000 * sum(p["cpu_s"] for p in parts) / requests,
             "busiest_client_cpu_per_wall": max(p["cpu_s"] / (p["finished"] - p["started"]) for p in parts),
             "server_cpu_ms_per_req": 1000 * server_cpu / requests if server_pid else None,
-            "server_cpu_ms_per_req_by_process": {name: 1000 * cpu / requests for name, cpu in by_process.items()}}
+            "server_cpu_ms_per_req_by_process": {name: 1000 * cpu / requests for name, cpu in by_process.items()},
+            "requests_per_batch": _mean_batch(batches_before, batches_after)}
+
+
+async def _prefill_counts(url: str) -> tuple[int, int] | None:
+    """(prefill requests, prefill batches) so far, from the local server's /server_info; None from a
+    server that does not count them."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        states = (await client.get(url + "/server_info")).json().get("internal_states") or [{}]
+    counts = states[0].get("prefill_requests_total"), states[0].get("prefill_batches_total")
+    return None if None in counts else counts
+
+
+def _mean_batch(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Requests a prefill batch over a round: below the server's max batch, the clients' requests came
+    in spread out and the worker ran part-full batches."""
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 GOAL = 0.90  # issue 22: capture may cost the server at most 10 % of its prefill rate
@@ -262,8 +284,9 @@ def cpu_summary(result: dict) -> dict:
     for side in ("on", "off"):
         rounds = result["rounds"][side]
         out[side] = {key: round(statistics.median(r[key] for r in rounds), 3)
-                     for key in ("client_cpu_ms_per_req", "busiest_client_cpu_per_wall", "server_cpu_ms_per_req")
-                     if rounds and rounds[0][key] is not None}
+                     for key in ("client_cpu_ms_per_req", "busiest_client_cpu_per_wall", "server_cpu_ms_per_req",
+                                 "requests_per_batch")
+                     if rounds and rounds[0].get(key) is not None}
         names = sorted({name for r in rounds for name in r.get("server_cpu_ms_per_req_by_process", {})})
         if names:  # which server process pays for capture: the scheduler (GIL) or the writer beside it
             out[side]["server_cpu_ms_per_req_by_process"] = {

@@ -161,12 +161,17 @@ async def test_eight_concurrent_requests_are_batched_and_correct(server, referen
     model, _ = reference
     lengths = [3, 9, 5, 12, 1, 7, 4, 10]
     async with server.client() as client:
+        before = (await client.server_info())["internal_states"][0]
         results = await asyncio.gather(*(client.generate(input_ids=p, max_new_tokens=n)
                                          for p, n in zip(PROMPTS, lengths)))
         info = await client.server_info()
     for prompt, n, result in zip(PROMPTS, lengths, results):
         assert result.output_ids == greedy(model, prompt, n), prompt
-    assert info["internal_states"][0]["largest_prefill_batch"] > 1
+    after = info["internal_states"][0]
+    assert after["largest_prefill_batch"] > 1
+    # Each request is prefilled once, in fewer batches than requests.
+    assert after["prefill_requests_total"] - before["prefill_requests_total"] == len(lengths)
+    assert 1 <= after["prefill_batches_total"] - before["prefill_batches_total"] < len(lengths)
 
 
 async def test_streaming(server):

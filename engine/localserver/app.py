@@ -321,6 +321,8 @@ class LocalServerApp:
             "internal_states": [{
                 "last_gen_throughput": self.runner.gen_throughput(),
                 "largest_prefill_batch": self.runner.stats.largest_prefill_batch,
+                "prefill_batches_total": self.runner.stats.prefill_batches_total,
+                "prefill_requests_total": self.runner.stats.prefill_requests_total,
             }],
         })
 

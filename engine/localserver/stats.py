@@ -17,6 +17,10 @@ class RunnerStats:
     generation_tokens_total: int = 0
     num_requests_total: int = 0
     largest_prefill_batch: int = 0  # evidence that concurrent requests share a prefill
+    # Requests over batches is the mean batch a load got: closed-loop clients whose answers come back
+    # spread out send their next requests spread out, and the worker then prefills part-full batches.
+    prefill_batches_total: int = 0
+    prefill_requests_total: int = 0
 
 
 class RunnerMetrics:
@@ -30,6 +34,8 @@ class RunnerMetrics:
     def count_prefill(self, group: list[GenRequest]) -> None:
         with self._lock:
             self.stats.largest_prefill_batch = max(self.stats.largest_prefill_batch, len(group))
+            self.stats.prefill_batches_total += 1
+            self.stats.prefill_requests_total += len(group)
             for req in group:
                 if req.count_in_metrics:
                     self.stats.prompt_tokens_total += len(req.input_ids)
