@@ -24,7 +24,6 @@ import os
 import random
 import secrets
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -248,7 +247,7 @@ def run(args) -> int:  # noqa: C901 - a linear script
         base_run = ws.config.extract.run
         pairs: list[dict[str, Any]] = []
         for pair in range(args.pairs):
-            if args.pairs > 1:  # each pair extracts into a fresh run; the last pair's records are freed below
+            if args.pairs > 1:  # each pair extracts into a fresh run, freed when the pair is measured
                 ws._config = set_value(ws.config, "extract.run", f"{base_run}-pair{pair}")
                 own_run = ws.hidden_dir if args.workspace else None
             # Odd pairs time the disk first (the same bytes as the pair before): a drift of the disk over
@@ -269,8 +268,11 @@ def run(args) -> int:  # noqa: C901 - a linear script
         if started_server:
             asyncio.run(manager.stop(grace=10))
             started_server = False
-        last = pairs[-1]
-        samples, tokens, total, seconds = last["samples"], last["tokens"], last["bytes"], last["seconds"]
+        # The figures of the median pair (the lower middle for an even count): job and disk side by side
+        # as they were measured, not medians of each side taken from different pairs.
+        middle = sorted(pairs, key=lambda p: p["ratio_extraction_plain"])[(len(pairs) - 1) // 2]
+        samples, tokens, total, seconds = middle["samples"], middle["tokens"], middle["bytes"], middle["seconds"]
+        ext_mb_s, plain_mb_s, ratio = middle["extraction_mb_s"], middle["plain_sequential_mb_s"], middle["ratio_extraction_plain"]
         atomic_mb_s = 0.0
         if not args.skip_atomic:
             scratch = Path(tempfile.mkdtemp(prefix=".extbench-disk-", dir=ws.hidden_dir.parent))
@@ -279,19 +281,15 @@ def run(args) -> int:  # noqa: C901 - a linear script
                 atomic_mb_s = atomic_files_mb_s(scratch / "atomic", samples, total // samples)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-        ratios = sorted(p["ratio_extraction_plain"] for p in pairs)
-        ratio = statistics.median(ratios)
-        ext_mb_s = statistics.median(p["extraction_mb_s"] for p in pairs)
-        plain_mb_s = statistics.median(p["plain_sequential_mb_s"] for p in pairs)
-        steps = last.pop("steps", None)
+        steps = pairs[-1].get("steps")
         for p in pairs:
             p.pop("steps", None)
 
         device = torch.cuda.get_device_name(0) if gpu else f"CPU ({os.cpu_count()} cores)"
         summary = {"device": device, "model": label, "workspace": "given" if args.workspace else args.size,
                    "output_dir": str(ws.hidden_dir.parent), "concurrency": ws.config.extract.concurrency,
-                   "samples": samples, "tokens": tokens, "bytes": total, "bad": last["bad"],
-                   "seconds": round(seconds, 2), "wall_with_planning_s": last["wall_with_planning_s"],
+                   "samples": samples, "tokens": tokens, "bytes": total, "bad": sum(p["bad"] for p in pairs),
+                   "seconds": round(seconds, 2), "wall_with_planning_s": middle["wall_with_planning_s"],
                    "extraction_tok_s": round(tokens / seconds, 1), "extraction_mb_s": round(ext_mb_s, 2),
                    "avg_record_bytes": total // samples, "bytes_per_token": round(total / tokens, 1),
                    "atomic_files_mb_s": round(atomic_mb_s, 1),
@@ -300,9 +298,9 @@ def run(args) -> int:  # noqa: C901 - a linear script
         if args.steps:
             summary["steps"] = timer.report(samples, seconds, steps)
         print(json.dumps(summary, indent=2))
-        spread = f"; per pair {' / '.join(f'{r:.3f}' for r in ratios)}" if len(pairs) > 1 else ""
+        spread = f"; per pair {' / '.join(str(p['ratio_extraction_plain']) for p in pairs)}" if len(pairs) > 1 else ""
         print(f"extraction write ratio (extraction/plain): {ratio:.4f}  [{ext_mb_s:,.1f} vs {plain_mb_s:,.1f} MB/s"
-              f"{' (medians of ' + str(len(pairs)) + ' pairs)' if len(pairs) > 1 else ''}; atomic small files "
+              f"{' (the median of ' + str(len(pairs)) + ' pairs)' if len(pairs) > 1 else ''}; atomic small files "
               f"{atomic_mb_s:,.1f} MB/s; {tokens / seconds:,.0f} tok/s, {device}{spread}]")
         return 0
     finally:
@@ -330,7 +328,7 @@ def main() -> int:
                         help="time each step of the job's per-record path (bench/step_timer.py)")
     parser.add_argument("--pairs", type=int, default=1,
                         help="job + plain write pairs against one server, the disk first in every other pair; "
-                             "the ratio is the median of the pairs' ratios")
+                             "the figures are the median pair's")
     parser.add_argument("--spool", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                         help="parent of the capture spool (tiny/1b/e2e)")
     args = parser.parse_args()
