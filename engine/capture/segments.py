@@ -23,7 +23,6 @@ segments from the failed attempt cannot overlap the new ones.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from engine.io.atomic import publish_via_path
 from engine.capture import stfile
 from engine.io.names import check_name
 from engine.errors import EngineError
+from engine.system.disk import is_no_space
 
 FORMAT_NAME = "eagle3-console/capture-segment"
 FORMAT_VERSION = "1"
@@ -71,11 +71,6 @@ class CaptureLost(SegmentError):
     def __init__(self, message: str, no_space: bool = False) -> None:
         super().__init__(message)
         self.no_space = no_space
-
-
-def is_no_space(exc: BaseException) -> bool:
-    """Whether a write failed for want of room (a full disk or quota)."""
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True)

@@ -507,7 +507,8 @@ def _child_main(shm_name: str, conn: Any, spool_dir: str, layers: list[int], thr
     """The writer process: attach the arena, then write each batch's rows on `threads` threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.capture.segments import is_no_space, try_mark_failed, write_segment
+    from engine.capture.segments import try_mark_failed, write_segment
+    from engine.system.disk import is_no_space
     from engine.system.procinfo import name_process
 
     name_process(WRITER_PROCESS_NAME)  # the server's CPU by process (bench/capture_overhead.py) names it

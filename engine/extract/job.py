@@ -12,7 +12,6 @@ pauses; SIGTERM stops after the requests in flight.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import os
 import re
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from engine.extract.layout import COMPLETE, PAUSE_FILE, RUN_LOCK, SPOOL_SESSIONS
 from engine.io import atomic
-from engine.system.disk import records_bytes, usage_for
+from engine.system.disk import is_no_space, records_bytes, usage_for
 from engine.capture.stfile import tensor_bytes
 from engine.extract.commit import GroupCommit
 from engine.extract.guard import ExtractionRefused, low_space, require_fit
@@ -483,7 +482,7 @@ class Extractor:
                 await asyncio.sleep(1.0)
                 continue
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                if is_no_space(exc):
                     # The atomic write removed its temp file; nothing partial is counted.
                     self.event("paused", reason=f"disk full while writing {sample.id}")
                     await asyncio.sleep(1.0)
@@ -522,7 +521,7 @@ class Extractor:
                 await self._commits.commit(entry)
                 return True
             except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                if not is_no_space(exc):
                     raise
                 self.event("paused", reason=f"disk full while committing {sample.id}")
                 await asyncio.sleep(1.0)
@@ -718,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         # Mid-run a full disk pauses; one that fills while the job starts or finishes (run.json,
         # token counts) ends it cleanly: every committed record stays, a restart resumes.
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not is_no_space(exc):
             raise
         message = (f"no space left on the disk of {exc.filename or 'the output'}: free some space (or set "
                    "extract.output_dir on another disk) and start the extraction again; it resumes")

@@ -7,6 +7,7 @@ falls to the reserve, instead of discovering a full disk halfway through.
 
 from __future__ import annotations
 
+import errno
 import asyncio
 import inspect
 import os
@@ -37,6 +38,11 @@ class DiskUsage:
     @property
     def below_reserve(self) -> bool:
         return self.free < self.reserve
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether a write failed for want of room (a full disk or quota)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _nearest_existing(path: Path) -> Path:

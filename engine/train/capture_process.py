@@ -27,7 +27,6 @@ is in the window's spool sessions, as an extraction job's is in its run director
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import os
 import signal
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from engine.errors import EngineError
+from engine.system.disk import is_no_space
 
 READY_TIMEOUT_S = 300.0  # imports, the server check and the spool sweep; a dead process is seen at once
 EXIT_TIMEOUT_S = 60.0  # for the writes under way to finish after a stop, before a kill
@@ -313,7 +313,7 @@ class Capturer:
                         "again: it resumes from its checkpoint") from None
                 self.event("retry", id=order.sample.id, attempt=attempt, reason=str(exc))
             except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                if not is_no_space(exc):
                     raise
                 # Not a pause, as in the extraction: what fills the disk may be the window's own records of
                 # later steps, which only the trainer's progress frees, and it waits for this one.
