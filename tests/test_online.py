@@ -175,6 +175,12 @@ def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online
     # The producer's threads are metered: CPU per wall second on the progress lines, the total at the end.
     window_lines = [e for e in second if e.get("type") == "progress" and "window_budget" in e]
     assert window_lines and all(e["producer_cpu"] >= 0 for e in window_lines)
+    # The epoch position never names an epoch past the configured ones; the last step ends the last epoch.
+    epochs = ws.config.train.epochs
+    positions = [(e["done"], e["epoch"], e["epoch_step"], e["steps_per_epoch"]) for e in window_lines]
+    assert all(1 <= epoch <= epochs and 0 <= index <= per for _, epoch, index, per in positions), positions
+    assert [(epoch, index) for done, epoch, index, per in positions if done == window_lines[-1]["total"]] == \
+        [(epochs, positions[-1][3])], positions[-3:]
     end = [e for e in second if e.get("type") == "window" and "window_peak" in e][-1]
     assert end["producer_cpu_s"] >= 0 and end["capture_cpu_s"] > 0, end
 

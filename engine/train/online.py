@@ -545,7 +545,10 @@ class OnlineData(RecordData):
         now_capture_cpu = self.capture_cpu()
         self._rate_mark = (now, int(fig["captured_tokens"]), int(fig["consumed_tokens"]), self.producer_cpu,
                            now_capture_cpu)
-        epoch, index = divmod(step, steps_per_epoch)
+        # Steps done in the epoch under way; an epoch's last step still belongs to it (the run's final step
+        # reads "epoch E step N/N", not the start of an epoch that never comes).
+        epoch, index = divmod(max(step - 1, 0), steps_per_epoch)
+        index = index + 1 if step > 0 else 0
         return {"mode": self.mode, "epoch": epoch + 1, "epoch_step": index, "steps_per_epoch": steps_per_epoch,
                 "capture_tokens_per_s": round((fig["captured_tokens"] - captured) / elapsed, 1),
                 "train_tokens_per_s": round((fig["consumed_tokens"] - consumed) / elapsed, 1),
