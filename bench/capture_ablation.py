@@ -7,10 +7,9 @@ MODE:
               segment file is written (the server's file writes, system calls included, are gone)
   skip-copy   the hooks capture as usual on the GPU, but nothing is copied to the host or written:
               a captured request is answered as soon as its batch is queued
-  answer-on-handover  everything is copied and written as usual (process writer), but a captured request
-              is answered once the writer process holds its batch's states (the local server's design
-              until session 28), not once their copies are queued: what waiting for the device-to-host
-              copies costs clients that send their next request on the answer
+  answer-early  everything is copied and written as usual (process writer), but a captured request is
+              answered once its prefill has run, not once the writer process holds its states: what
+              the wait for the handover costs clients that send their next request on the answer
 
 Used by `capture_overhead.py --ablate MODE`. A diagnostic only: requests "captured" this way leave
 nothing in the spool, so no extraction can run against such a server.
@@ -24,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = ("skip-write", "skip-copy", "answer-on-handover")
+MODES = ("skip-write", "skip-copy", "answer-early")
 
 
 def install(mode: str) -> None:
@@ -44,10 +43,16 @@ def install(mode: str) -> None:
 
         CaptureSink.queue_rows = answered_at_once
         CaptureSink.queue_batch = answered_at_once
-    elif mode == "answer-on-handover":
+    elif mode == "answer-early":
         from engine.localserver import capture_sink
 
-        capture_sink.ANSWER_CAPTURE_AT = "handover"
+        handover_init = capture_sink._AnswerOnHandover.__init__
+
+        def answered_before_handover(self, *args, **kwargs):
+            handover_init(self, *args, **kwargs)
+            self.handed()  # the request still waits for its prefill (Completion's other part)
+
+        capture_sink._AnswerOnHandover.__init__ = answered_before_handover
     else:
         raise SystemExit(f"unknown mode {mode!r}: give one of {', '.join(MODES)}")
 

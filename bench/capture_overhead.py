@@ -373,10 +373,10 @@ def main() -> int:  # noqa: C901 - a linear script
     parser.add_argument("--probe-server", metavar="OUT", default=None,
                         help="time the server's prefill forwards from inside (bench/runner_probe.py: host/GPU ms, "
                              "allocator counts, captured vs plain) into OUT")
-    parser.add_argument("--ablate", choices=("skip-write", "skip-copy", "answer-on-handover"), default=None,
+    parser.add_argument("--ablate", choices=("skip-write", "skip-copy", "answer-early"), default=None,
                         help="switch one part of capturing off in the server (bench/capture_ablation.py) to see "
-                             "what it costs (skip-*: the 'on' side then captures nothing to disk; answer-on-handover: "
-                             "it captures in full but answers only once the writer process holds the states)")
+                             "what it costs (skip-*: the 'on' side then captures nothing to disk; answer-early: "
+                             "it captures in full but answers before the writer process holds the states)")
     parser.add_argument("--writer", choices=("threads", "process"), default=None,
                         help="how the server writes segments (EAGLE3_CAPTURE_WRITER; default: as the environment says)")
     args = parser.parse_args()
@@ -467,7 +467,7 @@ def main() -> int:  # noqa: C901 - a linear script
         pairs = sorted(a / b for a, b in zip(result["on"], result["off"]))
         if args.ablate:
             print(f"ABLATION {args.ablate}: the 'on' side below "
-                  + ("was answered only once its states were handed over" if args.ablate == "answer-on-handover"
+                  + ("was answered before its states were handed over" if args.ablate == "answer-early"
                      else "did not capture in full") + " (see capture_ablation.py)")
         print(f"capture overhead ratio (on/off): {on / off:.3f}  [{on:,.0f} vs {off:,.0f} prefill tok/s, {device}; "
               f"segments written by {writer}]")

@@ -395,8 +395,8 @@ def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model
     assert "threads write the segments from now on" in log.read_text()
 
 
-def test_the_server_answers_before_its_writer_has_written_and_marks_a_write_lost_after(tiny_model_dir, tmp_path):
-    """The writer child stopped: the request is still answered (its states are queued for the child) and
+def test_the_server_answers_once_its_writer_holds_the_states_and_marks_a_write_lost_after(tiny_model_dir, tmp_path):
+    """The writer child stopped: the request is still answered (its states are in the child's hands) and
     no segment exists yet. The child killed: the capture can never be written, and a reader waiting
     for it fails at once with the server's reason (a failure mark in the spool), not after `wait_s`."""
     prompt = [5, 6, 7, 8, 9, 10, 11]

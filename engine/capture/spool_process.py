@@ -12,7 +12,8 @@ way: its rows are packed into as many slots as they need, a row longer than a sl
 consecutive segments (a batch too large for one slot used to fall back to the server's own writer
 threads, the path this process exists to avoid). The child writes the segments with `write_segment`
 (the same files, byte for byte, as the in-process writers) on its own threads and answers with one
-error per segment; the caller may also hear when a batch is in the child's hands (`on_handed`). A slot is reused once its reply is back, so at most `slots`
+error per segment; the caller may also hear when a batch is in the child's hands (`on_handed`), which
+the local server answers its requests on. A slot is reused once its reply is back, so at most `slots`
 slots are in the child's hands; `submit_packed` blocks for a free one (backpressure, as the writer queue
 does in-process).
 

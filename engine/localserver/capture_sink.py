@@ -49,27 +49,20 @@ def copies_landed(stream: Any) -> Any:
     return event
 
 
-# When a captured request is answered (with the writer process): "queued", once its batch's copies are
-# queued for the child (and its prefill has run, as for any request), or "handover", once the child holds
-# every slot of the batch. Queued: a closed-loop client's next request then never waits for the
-# device-to-host copy of the whole batch (bench/RESULTS.md, Capture overhead); `--ablate
-# answer-on-handover` of bench/capture_overhead.py measures the other.
-ANSWER_CAPTURE_AT = "queued"
-
-
-class _AnswerBeforeWrite:
-    """Answers a batch's captured requests before their segments are written: the clients send their
-    next requests while the child writes, so the model is not left waiting on the spool (SGLang's hook
-    answers before its writes too; readers wait for the segments, `open_capture`). A write that fails
-    after the answer leaves a failure mark in the spool instead (`mark_failed`), so a reader fails at
-    once with the reason; a batch that never reached the child is answered with its errors."""
+class _AnswerOnHandover:
+    """Answers a batch's captured requests as soon as the writer process holds their states, not once
+    the segments are written: the clients send their next requests while the child writes, so the
+    model is not left waiting on the spool (SGLang's hook answers before its writes too; readers wait
+    for the segments, `open_capture`). A write that fails after the answer leaves a failure mark in the
+    spool instead (`mark_failed`), so a reader fails at once with the reason; a batch that never reached
+    the child is answered with its errors."""
 
     def __init__(self, batch: list[Completion], segments: list[tuple[str, int, int]], spool_dir: Path) -> None:
         self.batch, self.segments, self.spool_dir = batch, segments, spool_dir
         self.lock = threading.Lock()
         self.answered = False
 
-    def now(self) -> None:
+    def handed(self) -> None:
         with self.lock:
             if self.answered:
                 return
@@ -262,20 +255,17 @@ class CaptureSink:
                 keep = keep.pin_memory().to(final.device, non_blocking=True)
             aux, final = aux.index_select(0, keep), final.index_select(0, keep)
         segments = [(completion.request.rid, 0, n) for completion, n in zip(batch, counts)]
-        answer = _AnswerBeforeWrite(batch, segments, self.config.spool_dir)
-        on_handed = answer.now if ANSWER_CAPTURE_AT == "handover" else None
+        answer = _AnswerOnHandover(batch, segments, self.config.spool_dir)
         for completion in batch:
             completion.capture_queued = True
         try:
             if final.is_cuda:
                 with torch.cuda.stream(self._copy_stream_after(aux, final)):
-                    writer.submit_packed(segments, ids, aux, final, answer.written, on_handed)
+                    writer.submit_packed(segments, ids, aux, final, answer.written, answer.handed)
             else:
-                writer.submit_packed(segments, ids, aux, final, answer.written, on_handed)
+                writer.submit_packed(segments, ids, aux, final, answer.written, answer.handed)
         except SpoolProcessError:  # the child is gone (on_failure said so): the threads take the batch
             return False
-        if on_handed is None:
-            answer.now()  # after the submit: had it raised, the threads would answer these requests
         return True
 
     def queue_rows(self, completions, rows, lengths, host_ids, states: dict[str, Any]) -> None:

@@ -40,7 +40,7 @@ class GenRequest:
 
 class Completion:
     """Emits the request's DoneEvent once generation and capture have both finished (the capture: its
-    states are queued for the writer process or written to the spool, see capture_sink)."""
+    states are in the writer process's hands or in the spool, see model_runner)."""
 
     def __init__(self, request: GenRequest) -> None:
         self.request = request
