@@ -11,8 +11,10 @@ MODE:
               answered once its prefill has run, not once the writer process holds its states: what
               the wait for the handover costs clients that send their next request on the answer
 
-Used by `capture_overhead.py --ablate MODE`. A diagnostic only: requests "captured" this way leave
-nothing in the spool, so no extraction can run against such a server.
+Used by `capture_overhead.py --ablate MODE`. A diagnostic only: requests "captured" by skip-write or
+skip-copy leave nothing in the spool, so no extraction can run against such a server; answer-early
+answers before the batch is submitted, so a writer process that dies then would see its fallback
+answer those requests a second time.
 """
 
 from __future__ import annotations
