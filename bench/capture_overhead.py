@@ -163,11 +163,11 @@ class _Clients:
         self._client: Any = None
 
     async def __aenter__(self) -> _Clients:
-        if self.count == 1:
-            from engine.client import ServerClient
+        from engine.client import ServerClient
 
-            self._client = await ServerClient(self.url, timeout=600).__aenter__()
-        else:
+        # This process's client: it sends the round when count is 1, and reads the server's counters.
+        self._client = await ServerClient(self.url, timeout=600).__aenter__()
+        if self.count > 1:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
@@ -175,6 +175,9 @@ class _Clients:
             self._pool = ProcessPoolExecutor(self.count, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_worker_init, initargs=(self.url, str(self.spool)))
         return self
+
+    async def server_info(self) -> dict:
+        return await self._client.server_info()
 
     async def __aexit__(self, *exc: object) -> None:
         if self._client is not None:
@@ -184,7 +187,7 @@ class _Clients:
 
     async def round(self, capture: bool, prompts: list[list[int]], concurrency: int, seed: int) -> list[dict]:
         items = list(enumerate(prompts))
-        if self._client is not None:
+        if self._pool is None:
             return [await _send(self._client, self.spool, capture, items, concurrency, seed)]
         loop = asyncio.get_running_loop()
         per_client = max(1, concurrency // self.count)
@@ -200,11 +203,11 @@ async def run_round(clients: _Clients, capture: bool, n: int, length: int, vocab
     prompts = _prompts(n, length, vocab, seed)
     if PHASE_FILE:
         Path(PHASE_FILE).write_text("on" if capture else "off")
-    batches_before = await _prefill_counts(clients.url)
+    batches_before = await _prefill_counts(clients)
     before = _tree_cpu_by_name(server_pid)
     parts = await clients.round(capture, prompts, concurrency, seed)
     after = _tree_cpu_by_name(server_pid)
-    batches_after = await _prefill_counts(clients.url)
+    batches_after = await _prefill_counts(clients)
     by_process = {name: after[name] - before.get(name, 0.0) for name in after}
     server_cpu = sum(by_process.values())
     if PHASE_FILE:
@@ -219,13 +222,10 @@ async def run_round(clients: _Clients, capture: bool, n: int, length: int, vocab
             "requests_per_batch": _mean_batch(batches_before, batches_after)}
 
 
-async def _prefill_counts(url: str) -> tuple[int, int] | None:
+async def _prefill_counts(clients: _Clients) -> tuple[int, int] | None:
     """(prefill requests, prefill batches) so far, from the local server's /server_info; None from a
     server that does not count them."""
-    import httpx
-
-    async with httpx.AsyncClient(timeout=30) as client:
-        states = (await client.get(url + "/server_info")).json().get("internal_states") or [{}]
+    states = (await clients.server_info()).get("internal_states") or [{}]
     counts = states[0].get("prefill_requests_total"), states[0].get("prefill_batches_total")
     return None if None in counts else counts
 
