@@ -7,8 +7,8 @@ falls to the reserve, instead of discovering a full disk halfway through.
 
 from __future__ import annotations
 
-import errno
 import asyncio
+import errno
 import inspect
 import os
 import re
