@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,6 +224,44 @@ def test_release_keeps_foreign_files(tmp_path):
         release(tmp_path, "c")
     assert (tmp_path / "c" / "notes.txt").read_text() == "not a segment"
     assert not (tmp_path / "c" / "0000000000.safetensors").exists()
+
+
+def test_release_races_a_writer_that_renames_its_temp_file(tmp_path, monkeypatch):
+    """A capture given up as lost while the server's writer still publishes a later chunk: the temp
+    file release listed is renamed into a segment before release unlinks it (as CI once saw). The
+    release still empties and removes the rid, and counts the segment the rename published."""
+    write_segment(tmp_path, "race", 0, *make_states(2), LAYERS)
+    temp = tmp_path / "race" / ".0000000002.safetensors.1-2.tmp"
+    temp.write_bytes(b"partial")
+    real_unlink, raced = os.unlink, []
+
+    def writer_wins(path, *args, **kwargs):
+        if Path(path) == temp and not raced:
+            raced.append(path)
+            os.rename(temp, segment_path(tmp_path, "race", 2))  # the writer's publish lands first
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", writer_wins)
+    assert release(tmp_path, "race") == 2
+    assert raced and not (tmp_path / "race").exists()
+
+
+def test_release_still_refuses_foreign_files_beside_a_racing_writer(tmp_path, monkeypatch):
+    write_segment(tmp_path, "mixed", 0, *make_states(2), LAYERS)
+    (tmp_path / "mixed" / "notes.txt").write_text("keep me")
+    temp = tmp_path / "mixed" / ".0000000002.safetensors.1-2.tmp"
+    temp.write_bytes(b"partial")
+    real_unlink = os.unlink
+
+    def writer_drops_its_temp(path, *args, **kwargs):
+        if Path(path) == temp:
+            real_unlink(temp)  # the writer failed and removed its own temp file first
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", writer_drops_its_temp)
+    with pytest.raises(SegmentError, match="notes.txt"):
+        release(tmp_path, "mixed")
+    assert sorted(p.name for p in (tmp_path / "mixed").iterdir()) == ["notes.txt"]
 
 
 def test_release_refuses_symlinked_rid_dir(tmp_path):

@@ -504,26 +504,46 @@ def assemble(
 def release(spool_dir: str | os.PathLike, rid: str) -> int:
     """Remove the spool directory of `rid`; returns the number of segment files removed.
 
-    Only segment files and in-flight temp files are deleted; anything else found there is
-    left in place and reported, so a mistaken spool path cannot destroy unrelated data.
+    Only segment files, failure marks and in-flight temp files are deleted; anything else found
+    there is left in place and reported, so a mistaken spool path cannot destroy unrelated data.
+    The server's writer may still be publishing a segment of `rid` (a capture given up as lost
+    while a later chunk is in flight): a temp file that vanishes was renamed or dropped by its
+    writer, and what a rename publishes is removed on the next pass.
     """
     directory = _rid_dir(spool_dir, rid)
     if not directory.is_dir():
         return 0
     removed = 0
-    for entry in directory.iterdir():
-        is_segment = _SEGMENT_FILE.match(entry.name) is not None
-        is_temp = entry.name.startswith(".") and entry.name.endswith(".tmp")
-        is_failure = _FAILED_FILE.match(entry.name) is not None
-        if (is_segment or is_temp or is_failure) and entry.is_file() and not entry.is_symlink():
-            entry.unlink()
-            removed += int(is_segment)
-    try:
-        directory.rmdir()
-    except OSError:
-        leftover = sorted(entry.name for entry in directory.iterdir())
-        raise SegmentError(
-            f"released capture segments of {rid!r} but left {directory} in place: it holds "
-            f"unexpected entries {leftover[:5]}"
-        ) from None
-    return removed
+    for _ in range(_RELEASE_PASSES):
+        ours = [entry for entry in directory.iterdir() if _is_spool_file(entry)]
+        for entry in ours:
+            try:
+                entry.unlink()
+            except FileNotFoundError:
+                continue
+            removed += int(_SEGMENT_FILE.match(entry.name) is not None)
+        try:
+            directory.rmdir()
+            return removed
+        except FileNotFoundError:
+            return removed
+        except OSError:
+            if not any(_is_spool_file(entry) for entry in directory.iterdir()):
+                break
+    leftover = sorted(entry.name for entry in directory.iterdir())
+    raise SegmentError(
+        f"released capture segments of {rid!r} but left {directory} in place: it holds "
+        f"unexpected entries {leftover[:5]}"
+    )
+
+
+# A writer publishes at most one segment of a rid at a time, so two passes settle a release that
+# raced it; the rest absorb a writer that keeps publishing chunks while we sweep.
+_RELEASE_PASSES = 8
+
+
+def _is_spool_file(entry: Path) -> bool:
+    name = entry.name
+    ours = (_SEGMENT_FILE.match(name) is not None or _FAILED_FILE.match(name) is not None
+            or (name.startswith(".") and name.endswith(".tmp")))
+    return ours and not entry.is_symlink() and entry.is_file()
