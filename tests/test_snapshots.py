@@ -55,3 +55,21 @@ def test_all_panes_at_200x60(snap_compare, tmp_path, scene):
         await apply_scene(app, pilot, scene, "pipeline")
 
     assert snap_compare(app, terminal_size=(200, 60), run_before=run_before)
+
+
+@pytest.mark.parametrize(("size", "scene", "shown", "hidden"), [
+    ((200, 60), "done", ["56.0 KiB/tok"], "ETA"),  # no estimate to give: bytes per token takes its room
+    ((200, 60), "running", ["56.0 KiB/tok"], "ETA"),
+    ((80, 24), "running", ["ETA —", "56.0 KiB/tok"], None),  # room for both
+])
+async def test_extraction_numbers_keep_bytes_per_token_where_an_empty_eta_makes_room(
+        tmp_path, size, scene, shown, hidden):
+    from tests.helpers.screen import screen_lines
+
+    app = make_app(console_workspace(tmp_path), scene)
+    async with app.run_test(size=size) as pilot:
+        await apply_scene(app, pilot, scene, "extraction")
+        await pilot.pause()
+        line = next(line for line in screen_lines(app) if "samples 850/2000" in line or "samples 2000/2000" in line)
+        assert all(part in line for part in shown), line
+        assert hidden is None or hidden not in line, line

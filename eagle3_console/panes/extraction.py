@@ -344,12 +344,20 @@ class ExtractionPane(Pane):
             bar.update(total=v.total, progress=v.done)
         eta = fmt_duration(v.eta_s) if v.eta_s is not None and phase == "running" else "—"
         tokens = f"{fmt_count(v.tokens)}/{fmt_count(v.total_tokens)}" if v.total_tokens else fmt_count(v.tokens)
-        numbers = f"samples {v.done}/{v.total} · tokens {tokens} · ETA {eta} · bad {v.bad}"
         per_token = _per_token(v.bytes, v.tokens)
-        if len(numbers) + len(per_token) > (self.content_region.width or 78) - 1:
-            per_token = ""  # never wrap the line: the figure is dropped where it does not fit
+        eta_part = f" · ETA {eta}"
+        room = (self.content_region.width or 78) - 1
+        plain = f"samples {v.done}/{v.total} · tokens {tokens} · bad {v.bad}"
+        # Never wrap the line. Where it is tight, an ETA with no estimate goes before bytes per token
+        # (the figure that sizes a run), which goes only where it still does not fit.
+        if len(plain) + len(eta_part) + len(per_token) > room:
+            if eta == "—" and len(plain) + len(per_token) <= room:
+                eta_part = ""
+            else:
+                per_token = ""
+        eta_markup = f" · ETA [b]{eta}[/b]" if eta_part else ""
         set_markup(self.query_one("#extract-numbers", Static),
-            f"samples [b]{v.done}/{v.total}[/b] · tokens {tokens} · ETA [b]{eta}[/b] · "
+            f"samples [b]{v.done}/{v.total}[/b] · tokens {tokens}{eta_markup} · "
             f"bad {'[$error]' if v.bad else ''}{v.bad}{'[/]' if v.bad else ''}{per_token}")
         tok_s = "?" if v.tokens_per_s is None else fmt_count(v.tokens_per_s)
         mb_s = "?" if v.mb_per_s is None else f"{v.mb_per_s:.1f}"
