@@ -68,28 +68,31 @@ def compact_table_lines(report: dict[str, Any], max_rows: int = 50) -> list[str]
     return lines
 
 
-def compact_level_lines(report: dict[str, Any]) -> list[str]:
-    """One row per concurrency level in 76 cells: speedup [interval], verdict, tok/s each side, best."""
+def compact_level_lines(report: dict[str, Any], rates: bool = True) -> list[str]:
+    """One row per concurrency level in 76 cells: speedup [interval], verdict, tok/s each side, best.
+
+    `rates=False` leaves the tok/s column out (56 cells: the pane beside the Pipeline at 120x40)."""
     levels = report.get("levels") or []
     if not levels:
         return []
     sglang = report.get("backend") == "sglang"
     best_head = "best steps/k/draft" if sglang else "best"  # fits 76 cells
-    head = f"{'conc':>4} {'speedup [95%]':<19} {'verdict':<12} {'tok/s base→spec':<17} {best_head}"
-    lines = [head, "─" * (74 if sglang else 66)]
+    rates_head = f"{'tok/s base→spec':<17} " if rates else ""
+    head = f"{'conc':>4} {'speedup [95%]':<19} {'verdict':<12} {rates_head}{best_head}"
+    rows = []
     for level in levels:
         s = setting_of(level, level.get("configured")) or best_setting(level.get("settings") or []) or {}
         sp = s.get("speedup") or {}
         best = setting_of(level, level.get("best"))
         tps = s.get("base_tokens_per_s"), s.get("spec_tokens_per_s")
-        rates = "—" if None in tps else f"{tps[0]:.0f}→{tps[1]:.0f}"
+        rate_text = "—" if None in tps else f"{tps[0]:.0f}→{tps[1]:.0f}"
         # SGLang settings are keyed "steps/topk/draft" (the header says so); local ones by steps alone
         sglang_key = best.get("key") if best and isinstance(best.get("key"), str) else None
         best_label = sglang_key or f"{best['spec_steps']} steps" if best else ""
         best_text = f"{best_label} {best['speedup'].get('median') or 0:.2f}×" if best else "—"
-        lines.append(f"{level['concurrency']:>4} {stats.fmt_interval(sp):<19} {str(sp.get('verdict') or '—'):<12} "
-                     f"{rates:<17} {best_text}")
-    return lines
+        rows.append(f"{level['concurrency']:>4} {stats.fmt_interval(sp):<19} {str(sp.get('verdict') or '—'):<12} "
+                    + (f"{rate_text:<17} " if rates else "") + best_text)
+    return [head, "─" * max(len(line) for line in [head, *rows]), *rows]
 
 
 EMPTY_TEXT = "no evaluation yet — run the evaluate stage to measure acceptance length and speedup"
@@ -243,8 +246,9 @@ class EvaluationPane(Pane):
         fix.display = bool(fix_text)
         fix.update("fix: " + fix_text if fix_text else "")
         rows = level_lines(report)
-        if rows and width < max(len(line) for line in rows):
-            rows = compact_level_lines(report)
+        for narrower in (lambda: compact_level_lines(report), lambda: compact_level_lines(report, rates=False)):
+            if rows and width < max(len(line) for line in rows):
+                rows = narrower()  # this table sits above the scroll: a row that wraps loses its columns
         levels.display = bool(rows)
         levels.update("\n".join(rows))
         rec_lines = recommendation_lines(report)
