@@ -264,6 +264,20 @@ def test_release_still_refuses_foreign_files_beside_a_racing_writer(tmp_path, mo
     assert sorted(p.name for p in (tmp_path / "mixed").iterdir()) == ["notes.txt"]
 
 
+def test_release_names_a_writer_that_never_stops_publishing(tmp_path, monkeypatch):
+    write_segment(tmp_path, "busy", 0, *make_states(2), LAYERS)
+    real_unlink, published = os.unlink, []
+
+    def writer_publishes_again(path, *args, **kwargs):
+        real_unlink(path, *args, **kwargs)
+        published.append(write_segment(tmp_path, "busy", 2 * len(published) + 2, *make_states(2), LAYERS))
+
+    monkeypatch.setattr(os, "unlink", writer_publishes_again)
+    with pytest.raises(SegmentError, match="a writer kept publishing"):
+        release(tmp_path, "busy")
+    assert len(published) == 8
+
+
 def test_release_refuses_symlinked_rid_dir(tmp_path):
     outside = tmp_path / "outside"
     write_segment(outside, "victim", 0, *make_states(2), LAYERS)

@@ -530,10 +530,14 @@ def release(spool_dir: str | os.PathLike, rid: str) -> int:
         except OSError:
             if not any(_is_spool_file(entry) for entry in directory.iterdir()):
                 break
-    leftover = sorted(entry.name for entry in directory.iterdir())
+    entries = list(directory.iterdir())
+    foreign = sorted(entry.name for entry in entries if not _is_spool_file(entry))
+    if not foreign:
+        raise SegmentError(f"released capture segments of {rid!r} but a writer kept publishing into {directory} "
+                           f"over {_RELEASE_PASSES} passes; release it again once the server is idle")
     raise SegmentError(
         f"released capture segments of {rid!r} but left {directory} in place: it holds "
-        f"unexpected entries {leftover[:5]}"
+        f"unexpected entries {foreign[:5]}"
     )
 
 
