@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -342,6 +343,35 @@ def test_a_capture_written_after_its_rid_was_given_up_on_is_freed_when_the_run_e
     assert (ws.spool_dir / foreign).is_dir(), "another workspace's capture is not ours to free"
     assert not (ws.spool_dir / stray).exists(), "this session's stray capture stays on the spool (often tmpfs)"
     _assert_exactly_once(ws)
+
+
+def test_a_spool_folder_release_cannot_empty_keeps_the_record_and_the_foreign_file(server_ws, monkeypatch, capfd):
+    """Something not ours lands in a rid's spool folder: reading that capture refuses it (a retry, under
+    a new rid) and release keeps the file and its folder. That refusal must not crash the job (it
+    did: release's error replaced the retry): every record lands once, the file is kept, and the
+    job's log names the folder left in place."""
+    import engine.capture.segments as segments
+
+    ws = server_ws
+    real_open, dropped = segments.open_capture, []
+
+    def open_beside_a_foreign_file(spool, rid, *args, **kwargs):
+        if not dropped:
+            folder = Path(spool) / rid
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "notes.txt").write_text("an operator's file")
+            dropped.append(folder)
+        return real_open(spool, rid, *args, **kwargs)
+
+    monkeypatch.setattr(segments, "open_capture", open_beside_a_foreign_file)
+    extractor, events = Extractor(ws), []
+    extractor.event = lambda kind, **data: events.append((kind, data))
+    assert asyncio.run(extractor.run()) == 0
+    retries = [data for kind, data in events if kind == "retry"]
+    assert len(retries) == 1 and "notes.txt" in retries[0]["reason"], retries
+    _assert_exactly_once(ws)
+    assert (dropped[0] / "notes.txt").read_text() == "an operator's file"
+    assert f"capture spool of {dropped[0].name} left in place" in capfd.readouterr().err
 
 
 def test_a_capture_lost_to_a_full_spool_pauses_the_sample_and_spends_no_retry(server_ws, monkeypatch):

@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import struct
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -422,7 +423,12 @@ class Extractor:
                 return write_record_stream(run_dir, index, record_id, capture.input_ids, mask, aux, final, hidden,
                                            sync_dir=sync_dir, durable=durable, aux_format=aux_format, aux_scale=scale)
         finally:
-            release(self.spool, rid)
+            try:
+                release(self.spool, rid)
+            except (SegmentError, OSError) as exc:
+                # The record's fate is decided above; a spool folder we may not empty must not undo it.
+                # What is left belongs to this session's tag and is swept when a later session starts.
+                print(f"warning: capture spool of {rid} left in place: {exc}", file=sys.stderr, flush=True)
 
     async def wait_for_server(self, url: str, primary: bool) -> None:
         """Wait until the endpoint answers; restart the engine-owned server if it crashed. Every request in
