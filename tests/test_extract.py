@@ -374,6 +374,47 @@ def test_a_spool_folder_release_cannot_empty_keeps_the_record_and_the_foreign_fi
     assert f"capture spool of {dropped[0].name} left in place" in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("reply", ["cached tokens", "refused", "resent after an outage"])
+def test_a_refused_capture_beside_a_foreign_file_is_a_retry_not_a_crash(tmp_path, tiny_chat_model_dir, capfd, reply):
+    """The three ways `request` gives a rid up release its spool folder first. A folder holding a file not
+    ours used to raise out of them (SegmentError in place of SampleFailed) and end the extraction."""
+    from types import SimpleNamespace
+
+    from engine.capture.segments import write_segment
+    from engine.client import ServerReplyError
+    from engine.extract.job import SampleFailed
+
+    ws = _ws(tmp_path, tiny_chat_model_dir)
+    extractor = Extractor(ws)
+    sample = build_plan(ws).samples[0]
+    rid = f"x{sample.index}-{extractor.tag}-a0"
+    n = len(sample.input_ids)
+
+    class ServerStandIn:  # what the server's side leaves in the spool, then its answer
+        async def generate(self, **request):
+            assert request["rid"] == rid
+            write_segment(ws.spool_dir, rid, 0, torch.tensor(sample.input_ids), torch.zeros(n, 3 * 64),
+                          torch.zeros(n, 64), [1, 2, 3])
+            (ws.spool_dir / rid / ".nfs0000000000000042").write_text("an NFS client's file")
+            if reply == "refused":
+                raise ServerReplyError("rid already in flight", status=409)
+            cached = 2 if reply == "cached tokens" else 0
+            return SimpleNamespace(meta={"cached_tokens": cached, "prompt_tokens": n})
+
+    if reply == "resent after an outage":
+        extractor._sent.add(rid)
+        (ws.spool_dir / rid).mkdir(parents=True)
+        (ws.spool_dir / rid / "notes.txt").write_text("an operator's file")
+        assert asyncio.run(extractor.request(ServerStandIn(), sample, 0)) == rid
+        assert (ws.spool_dir / rid / "notes.txt").exists()
+    else:
+        with pytest.raises(SampleFailed):
+            asyncio.run(extractor.request(ServerStandIn(), sample, 0))
+        assert (ws.spool_dir / rid / ".nfs0000000000000042").exists()
+        assert not list((ws.spool_dir / rid).glob("*.safetensors"))
+    assert f"capture spool of {rid} left in place" in capfd.readouterr().err
+
+
 def test_a_capture_lost_to_a_full_spool_pauses_the_sample_and_spends_no_retry(server_ws, monkeypatch):
     """The server answered, then found the spool full (its `.nospace` mark, put here the first time each
     of two samples is read): the job pauses and captures those samples again under the same attempt,

@@ -346,12 +346,11 @@ class Extractor:
     # -- one sample
     async def request(self, client, sample: PlannedSample, attempt: int) -> str:
         """Send the sample for capture; its rid once the server has captured it as asked."""
-        from engine.capture.segments import release
         from engine.client import ServerReplyError, ServerUnreachableError
 
         rid = f"x{sample.index}-{self.tag}-a{attempt}"
         if rid in self._sent:  # sent before (an outage): a capture of that try may linger
-            await asyncio.to_thread(release, self.spool, rid)
+            await asyncio.to_thread(self.release_spool, rid)
         self._sent.add(rid)
         try:
             result = await client.generate(input_ids=sample.input_ids, max_new_tokens=0, rid=rid)
@@ -360,7 +359,7 @@ class Extractor:
         except ServerReplyError as exc:
             if exc.status is not None and exc.status >= 500:
                 raise Outage(str(exc)) from None
-            await asyncio.to_thread(release, self.spool, rid)
+            await asyncio.to_thread(self.release_spool, rid)
             raise SampleFailed(f"server refused the request: {exc}") from None
         meta = result.meta
         problem = None
@@ -369,23 +368,9 @@ class Extractor:
         elif meta.get("prompt_tokens") not in (None, len(sample.input_ids)):
             problem = f"server counted {meta.get('prompt_tokens')} prompt tokens, sent {len(sample.input_ids)}"
         if problem:
-            await asyncio.to_thread(release, self.spool, rid)
+            await asyncio.to_thread(self.release_spool, rid)
             raise SampleFailed(problem)
         return rid
-
-    async def capture(self, client, sample: PlannedSample, attempt: int, hidden: int):
-        """The sample's capture as tensors (`AssembledCapture`), its spool released: for callers that
-        use the states in memory rather than as a record."""
-        from engine.capture.segments import SegmentError, assemble, release
-
-        rid = await self.request(client, sample, attempt)
-        try:
-            return await asyncio.to_thread(assemble, self.spool, rid, len(sample.input_ids), sample.input_ids,
-                                           self.cfg.extract.capture_wait_s)
-        except (SegmentError, OSError) as exc:
-            raise capture_failure(exc) from None
-        finally:
-            await asyncio.to_thread(release, self.spool, rid)
 
     def _write(self, sample: PlannedSample, rid: str, hidden: int) -> RecordEntry:
         """The sample's record in this run (durable, not yet in the manifest: the group commit adds it)."""
@@ -398,7 +383,7 @@ class Extractor:
         trusts after a crash (online training's stream). SampleFailed/RecordError: the capture is wrong."""
         import torch
 
-        from engine.capture.segments import SegmentError, open_capture, release
+        from engine.capture.segments import SegmentError, open_capture
 
         try:
             try:
@@ -423,12 +408,18 @@ class Extractor:
                 return write_record_stream(run_dir, index, record_id, capture.input_ids, mask, aux, final, hidden,
                                            sync_dir=sync_dir, durable=durable, aux_format=aux_format, aux_scale=scale)
         finally:
-            try:
-                release(self.spool, rid)
-            except (SegmentError, OSError) as exc:
-                # The record's fate is decided above; a spool folder we may not empty must not undo it.
-                # What is left belongs to this session's tag and is swept when a later session starts.
-                print(f"warning: capture spool of {rid} left in place: {exc}", file=sys.stderr, flush=True)
+            self.release_spool(rid)
+
+    def release_spool(self, rid: str) -> None:
+        """Free the spool folder of `rid`. Never raises: the sample's fate is decided by then (a record,
+        a retry), and a folder we may not empty (a file not ours, no permission) must not undo it or
+        crash the job. What is left belongs to this session's tag; a later session sweeps it."""
+        from engine.capture.segments import SegmentError, release
+
+        try:
+            release(self.spool, rid)
+        except (SegmentError, OSError) as exc:
+            print(f"warning: capture spool of {rid} left in place: {exc}", file=sys.stderr, flush=True)
 
     async def wait_for_server(self, url: str, primary: bool) -> None:
         """Wait until the endpoint answers; restart the engine-owned server if it crashed. Every request in
