@@ -65,6 +65,33 @@ def test_server_and_capture_stages_pass_for_real(running):
     assert not any(spool.iterdir()) if spool.exists() else True
 
 
+def test_capture_stage_beside_a_foreign_file_says_so_instead_of_crashing(running, monkeypatch):
+    """A file not ours lands in the probe's spool folder: reading the capture refuses it (the stage is red
+    with why), release keeps it and the check says where, instead of "check crashed" (release's error
+    used to replace the verdict)."""
+    import engine.capture.segments as segments
+
+    ws, _, _ = running
+    real_open, folders = segments.open_capture, []
+
+    def open_beside_a_foreign_file(spool, rid, *args, **kwargs):
+        (segments.Path(spool) / rid).mkdir(parents=True, exist_ok=True)
+        (segments.Path(spool) / rid / "notes.txt").write_text("an operator's file")
+        folders.append(segments.Path(spool) / rid)
+        return real_open(spool, rid, *args, **kwargs)
+
+    monkeypatch.setattr(segments, "open_capture", open_beside_a_foreign_file)
+    capture = asyncio.run(Pipeline(CheckContext(ws)).run_stage("capture"))
+    results = {r.name: r for r in capture.results}
+    assert capture.state.value == "failed" and "crashed" not in str([r.to_dict() for r in capture.results])
+    assert "notes.txt" in results["spool"].evidence and results["spool"].status.value == "warn", results
+    assert str(folders[0]) in results["spool"].fix
+    assert (folders[0] / "notes.txt").read_text() == "an operator's file"
+    assert [p.name for p in folders[0].iterdir()] == ["notes.txt"]  # the capture itself was released
+    (folders[0] / "notes.txt").unlink()
+    folders[0].rmdir()
+
+
 def test_second_start_reuses_the_running_server(running):
     ws, manager, status = running
     again = asyncio.run(manager.start())

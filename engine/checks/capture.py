@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from engine.checks.base import CheckResult, failed, passed
+from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
 from engine.checks.server import START_FIX, probe_prompt_ids, settings_check
+
+if TYPE_CHECKING:
+    from engine.client import GenerateResult
 
 
 def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server_next: int,
@@ -82,7 +86,6 @@ def _analyse(spool_dir: Path, rid: str, sent: list[int], model_dir: Path, server
 
 
 async def check_capture(ctx: CheckContext) -> list[CheckResult]:
-    from engine.capture.segments import release
     from engine.server.manager import ServerManager
 
     manager = ServerManager(ctx.workspace)
@@ -102,8 +105,30 @@ async def check_capture(ctx: CheckContext) -> list[CheckResult]:
         return settings + [failed("request", f"probe request failed: {exc}", "see `eagle3-console server logs`")]
     finally:
         await client.aclose()
+    try:
+        results = await _judge(ctx, spool, rid, sent, result, list(settings))
+    finally:
+        released = await asyncio.to_thread(_release_probe, spool, rid)
+    return results + ([released] if released else [])
+
+
+def _release_probe(spool: Path, rid: str) -> CheckResult | None:
+    """Free the probe's spool folder; a folder we may not empty is said, never raised: raising here
+    would replace the verdict above with a crashed check."""
+    from engine.capture.segments import SegmentError, release
+
+    try:
+        release(spool, rid)
+    except (SegmentError, OSError) as exc:
+        return warned("spool", f"the probe's spool folder was left in place: {exc}",
+                      f"remove what is not a capture segment from {spool / rid}")
+    return None
+
+
+async def _judge(ctx: CheckContext, spool: Path, rid: str, sent: list[int], result: GenerateResult,
+                 results: list[CheckResult]) -> list[CheckResult]:
+    """The probe's reply and capture against what was sent and what the model computes."""
     meta = result.meta
-    results: list[CheckResult] = list(settings)
     cached = meta.get("cached_tokens")
     if cached != 0:
         results.append(failed("cached", f"cached_tokens = {cached}", "disable the radix cache (--disable-radix-cache)"))
@@ -114,9 +139,5 @@ async def check_capture(ctx: CheckContext) -> list[CheckResult]:
                               "the server re-tokenised or truncated the prompt"))
     if not result.output_ids:
         return results + [failed("request", "server generated no token", "check the server log")]
-    try:
-        results += await asyncio.to_thread(_analyse, spool, rid, sent, ctx.workspace.model_dir, int(result.output_ids[0]),
-                                           ctx.config.extract.capture_wait_s)
-    finally:
-        await asyncio.to_thread(release, spool, rid)
-    return results
+    return results + await asyncio.to_thread(_analyse, spool, rid, sent, ctx.workspace.model_dir,
+                                             int(result.output_ids[0]), ctx.config.extract.capture_wait_s)
