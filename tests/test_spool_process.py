@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import httpx
@@ -342,6 +343,31 @@ def test_too_little_shared_memory_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(SpoolProcessError, match="MiB free"):
         process.start()
     assert process.pid is None and not process.alive
+
+
+def test_a_child_that_cannot_be_spawned_is_a_spool_process_error_with_nothing_left(tmp_path, monkeypatch):
+    """fork/exec refused (EAGAIN at a process limit): start says so as SpoolProcessError, which the server's
+    sink answers with writer threads, and drops the arena. It raised AssertionError (close joined a child
+    never started) and left the arena in /dev/shm."""
+    import multiprocessing.context
+
+    def refused(self):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refused)
+    process = SpoolWriterProcess(tmp_path / "spool", LAYERS, slot_bytes=1 << 20, slots=2, threads=1)
+    created = []
+    real_shm = shared_memory.SharedMemory
+
+    def remember(*args, **kwargs):
+        created.append(real_shm(*args, **kwargs))
+        return created[-1]
+
+    monkeypatch.setattr(shared_memory, "SharedMemory", remember)
+    with pytest.raises(SpoolProcessError, match="Resource temporarily unavailable"):
+        process.start()
+    assert process.pid is None and not process.alive
+    assert created and created[0].name.lstrip("/") not in os.listdir("/dev/shm")
 
 
 @contextlib.contextmanager

@@ -249,11 +249,14 @@ class SpoolWriterProcess:
             self._arena = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
             context = multiprocessing.get_context("spawn")  # fork would copy a CUDA context and threads
             parent_end, child_end = context.Pipe()
-            self._process = context.Process(
+            process = context.Process(
                 target=_child_main, name="capture-spool-writer", daemon=True,
                 args=(self._shm.name, child_end, str(self.spool_dir), self.layers, self.threads))
-            self._process.start()
-            child_end.close()
+            try:
+                process.start()
+            finally:
+                child_end.close()
+            self._process = process  # only a started process: close() joins it
             self._conn = parent_end
             # The child says it is ready once it has attached the arena and imported what it needs.
             if not parent_end.poll(120) or parent_end.recv() != "ready":
