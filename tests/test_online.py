@@ -331,3 +331,40 @@ def test_a_capture_process_killed_fails_the_batch_that_waits_naming_it(online_ws
     finally:
         data.close()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("online_ws", ["64m"], indirect=True)
+@pytest.mark.parametrize("outcome", ["succeeded", "failed"])
+def test_a_full_disk_as_the_window_closes_keeps_the_runs_own_outcome(online_ws, monkeypatch, capfd, outcome):
+    """The window's close writes its note (data.json); a full disk there raised OSError out of the
+    trainer's cleanup, replacing its export's return 0, or its own error and fix."""
+    import errno
+
+    from engine.io import atomic
+    from engine.train.data import TrainDataError
+    from engine.train.loop import Trainer
+    from engine.train.online import DATA_NOTE
+
+    ws, _ = online_ws
+    real_write_json, notes = atomic.write_json, []
+
+    def full_for_the_closing_note(path, *args, **kwargs):
+        if path.name == DATA_NOTE:
+            notes.append(path)
+            if len(notes) > 1:  # the first is the plan, written as the window opens
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_write_json(path, *args, **kwargs)
+
+    monkeypatch.setattr(atomic, "write_json", full_for_the_closing_note)
+    trainer = Trainer(ws, device="cpu", max_steps=2)
+    if outcome == "failed":
+        def first_batch_is_damaged(*args, **kwargs):
+            raise TrainDataError("records/0001 sha256 mismatch: resume the extraction")
+
+        monkeypatch.setattr(trainer, "train_step", first_batch_is_damaged)
+        with pytest.raises(TrainDataError, match="resume the extraction"):
+            trainer.run()
+    else:
+        assert trainer.run() == 0
+    assert len(notes) == 2 and "online window closed without its note: [Errno 28]" in capfd.readouterr().err
+    assert "window_peak" not in json.loads((ws.drafter_dir / DATA_NOTE).read_text())  # the plan stays

@@ -17,6 +17,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -579,10 +580,16 @@ class Trainer:
         try:
             return self._run()
         finally:
-            if self.online and isinstance(getattr(self, "data", None), RecordData):
-                self.event("window", **self.data.close())  # stream/ emptied; kept/ stays
-            if lock is not None:
-                lock.release()
+            try:
+                if self.online and isinstance(getattr(self, "data", None), RecordData):
+                    self.event("window", **self.data.close())  # stream/ emptied; kept/ stays
+            except OSError as exc:
+                # Its note (data.json) and event are figures: a full disk here must not replace the run's
+                # own outcome, its error and fix or its export.
+                print(f"warning: online window closed without its note: {exc}", file=sys.stderr, flush=True)
+            finally:
+                if lock is not None:
+                    lock.release()
 
     def _run(self) -> int:
         self.setup()
