@@ -337,7 +337,7 @@ def test_a_capture_process_killed_fails_the_batch_that_waits_naming_it(online_ws
 @pytest.mark.parametrize("outcome", ["succeeded", "failed"])
 def test_a_full_disk_as_the_window_closes_keeps_the_runs_own_outcome(online_ws, monkeypatch, capfd, outcome):
     """The window's close writes its note (data.json); a full disk there raised OSError out of the
-    trainer's cleanup, replacing its export's return 0, or its own error and fix."""
+    trainer's cleanup, replacing its return 0, or its own error and fix."""
     import errno
 
     from engine.io import atomic
