@@ -111,9 +111,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def _load(args: argparse.Namespace):
     """Everything that can fail on user input, in order of cost; StartupError on failure."""
-    from engine.localserver.capture_sink import CaptureConfig
     from engine.localserver.loading import ModelLoadError, check_model_dir
-    from engine.localserver.model_runner import ModelRunner
     from engine.localserver.settings import check_capture_environment
 
     try:
@@ -131,6 +129,10 @@ def _load(args: argparse.Namespace):
     spool = prepare_spool(args.spool_dir) if args.spool_dir else None
     sock = bind_socket(args.host, args.port)
     try:
+        # torch comes in here, after every check that needs none of it
+        from engine.localserver.capture_sink import CaptureConfig
+        from engine.localserver.model_runner import ModelRunner
+
         runner = ModelRunner(model_path, device=args.device, dtype=args.dtype, max_batch=args.max_batch)
         try:
             runner.load()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.capture.spool_process import DEFAULT_SLOT_TOKENS, slot_tokens_from_env, writer_mode_from_env
+from engine.capture.writer_env import DEFAULT_SLOT_TOKENS, slot_tokens_from_env, writer_mode_from_env
 from engine.io.env import whole_number_from_env
 
 WRITERS_ENV = "EAGLE3_CAPTURE_WRITERS"

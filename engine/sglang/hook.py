@@ -49,8 +49,8 @@ from typing import Any, Callable
 import torch
 
 from engine.capture.segments import try_mark_failed, write_segment
-from engine.capture.spool_process import (DEFAULT_SLOT_TOKENS, WRITER_ENV, WRITER_MODES, slot_tokens_from_env,
-                                          writer_mode_from_env)
+from engine.capture.writer_env import (DEFAULT_SLOT_TOKENS, WRITER_ENV, WRITER_MODES, slot_tokens_from_env,
+                                       writer_mode_from_env)
 from engine.io.env import whole_number_from_env
 from engine.system.disk import is_no_space
 from engine.io.names import is_safe_name
