@@ -361,7 +361,8 @@ async def test_training_pane_shows_online_rates_and_window(ws):
         ctx.progress(10, 40, unit="steps", mode="online", epoch=1, epoch_step=3, steps_per_epoch=20,
                      capture_tokens_per_s=900.0, train_tokens_per_s=4200.0, window_bytes=4_700_000,
                      window_budget=5_000_000, window_peak=4_900_000, capture_cpu=0.63)
-        time.sleep(2)
+        while not (ctx.job_dir / "go").exists():  # the test has read the first line off the screen
+            time.sleep(0.05)
         # One pace (what is captured is trained) with the window full: the producer waits for room.
         ctx.progress(12, 40, unit="steps", mode="online", epoch=1, epoch_step=5, steps_per_epoch=20,
                      capture_tokens_per_s=4150.0, train_tokens_per_s=4200.0, window_bytes=4_900_000,
@@ -387,6 +388,7 @@ async def test_training_pane_shows_online_rates_and_window(ws):
             rows = screen_lines(app)[region.y:region.bottom]
             return " ".join(" ".join(row[region.x:region.right].split()) for row in rows)
 
+        (job.dir / "go").touch()
         await wait_until(pilot, lambda: "step 5/20" in pane_text(), timeout=30)
         assert "capture 4.2k vs trainer 4.2k tok/s (trainer sets the pace)" in pane_text(), pane_text()
         await engine.jobs.stop(job.id, grace=1)

@@ -313,7 +313,7 @@ def test_job_ignoring_sigterm_is_killed_after_grace(manager: JobManager):
     started = time.monotonic()
     final = manager.stop_sync(info.id, grace=0.5)
     elapsed = time.monotonic() - started
-    assert 0.5 <= elapsed < 4.0
+    assert 0.5 <= elapsed < 10.0  # killed after the grace, not after the job's 60 s
     assert final.state == "stopped" and final.exit_code == -9
     assert final.last_log_lines == ("ready",)
     assert not is_same_process(info.pid, info.create_time)

@@ -7,7 +7,6 @@ import asyncio
 import os
 import signal
 import socket
-import threading
 import time
 
 import psutil
@@ -116,24 +115,30 @@ def test_capture_stage_fails_when_server_runs_without_capture(chat_model_dir, tm
         asyncio.run(manager.stop(grace=5))
 
 
-def test_capture_stage_fails_at_once_when_the_writer_loses_a_capture_after_the_answer(chat_model_dir, tmp_path):
+def test_capture_stage_fails_at_once_when_the_writer_loses_a_capture_after_the_answer(chat_model_dir, tmp_path,
+                                                                                     monkeypatch):
     """The server's writer process stopped: the probe is answered (its states are in the child's hands) and
-    waits for the segments; the child killed 2 s later: the stage fails then, with the reason and what to
-    do, not after extract.capture_wait_s."""
+    waits for the segments; the child killed once the answer is back: the stage fails then, with the reason
+    and what to do, not after extract.capture_wait_s."""
+    from engine.client import ServerClient
+
     ws = make_ws(tmp_path, chat_model_dir, **{"extract.capture_wait_s": 120.0})
     manager = ServerManager(ws)
     asyncio.run(manager.start())
     try:
         child = writer_child_pid(asyncio.run(_server_info(manager))["capture"]["writer"])
         os.kill(child, signal.SIGSTOP)
-        killer = threading.Timer(2.0, os.kill, (child, signal.SIGKILL))
-        killer.start()
-        started = time.monotonic()
-        try:
-            capture = asyncio.run(Pipeline(CheckContext(ws)).run_stage("capture"))
-        finally:
-            killer.join()
-        assert time.monotonic() - started < 60
+        real_generate, answered = ServerClient.generate, []
+
+        async def kill_the_writer_once_answered(self, *args, **kwargs):
+            result = await real_generate(self, *args, **kwargs)
+            answered.append(time.monotonic())
+            os.kill(child, signal.SIGKILL)  # after the answer, never before: else threads write the probe
+            return result
+
+        monkeypatch.setattr(ServerClient, "generate", kill_the_writer_once_answered)
+        capture = asyncio.run(Pipeline(CheckContext(ws)).run_stage("capture"))
+        assert len(answered) == 1 and time.monotonic() - answered[0] < 60
         assert capture.state.value == "failed"
         tokens = {r.name: r for r in capture.results}["tokens"]
         assert "failed in the server's writer" in tokens.evidence and "exited (code -9)" in tokens.evidence

@@ -29,7 +29,7 @@ def local_server_argv(model_dir: Path, port: int, *extra: str, device: str = "cp
             "--port", str(port), "--device", device, "--dtype", dtype, *extra]
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 40.0) -> None:
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 120.0) -> None:
     """Wait for a started server process to answer /health; fail with its log if it dies or stalls."""
     deadline = time.monotonic() + timeout
     while True:
