@@ -301,7 +301,7 @@ def test_a_stop_while_the_trainer_waits_for_captures_checkpoints_at_once(online_
     info = run_job(ws, jobs, events, until=lambda ev: any(e.get("type") == "progress" and e["done"] >= 2 for e in ev))
     assert info.active, "\n".join(jobs.tail(info.id, 40))
     _, took = stop_while_waiting_for_captures(ws, jobs, info.id)
-    assert took < 20, f"the stop took {took:.1f} s"
+    assert took < 40, f"the stop took {took:.1f} s"  # the grace is 60 s: a SIGKILL would take longer
 
 
 @pytest.mark.parametrize("online_ws", ["64m"], indirect=True)
