@@ -144,6 +144,6 @@ def test_two_ranks_waiting_for_captures_stop_together_at_once(tiny_chat_model_di
         assert jobs.get(job.id).active, "\n".join(jobs.tail(job.id, 40))
         progressed = max(e["done"] for e in events if e.get("type") == "progress")
         step, took = stop_while_waiting_for_captures(ws, jobs, job.id)
-    assert took < 20, f"the stop took {took:.1f} s"
+    assert took < 40, f"the stop took {took:.1f} s"  # the grace is 60 s: a SIGKILL would take longer
     assert step >= progressed
     print(f"2 ranks waiting for captures: stopped at step {step} in {took:.1f} s, exit 0, checkpoint at {step}")
