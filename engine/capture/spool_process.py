@@ -230,6 +230,9 @@ class SpoolWriterProcess:
                 args=(self._shm.name, child_end, str(self.spool_dir), self.layers, self.threads))
             try:
                 process.start()
+            except BaseException:
+                parent_end.close()
+                raise
             finally:
                 child_end.close()
             self._process = process  # only a started process: close() joins it
