@@ -263,8 +263,22 @@ def test_terminal_closed_while_the_console_quits(ws_with_job):
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it)")
 def test_tmux_session_killed_while_the_console_quits(ws_with_job):
-    """The report's replay: `R`, `q`, then the tmux server killed as the console leaves its screen."""
+    """The report's replay: `R`, `q`, then the tmux server killed as the console leaves its screen. A console
+    that quits before the kill lands proves nothing: up to 3 tries, the first one that kills it mid-quit counts."""
     ws, jobs, job = ws_with_job
+    problems: list[str] = []
+    for _ in range(3):
+        alive, result = _kill_tmux_mid_quit(ws, problems)
+        if alive:
+            break
+    _check_after(ws, jobs, job, "tmux", problems)
+    _record("tmux mid-quit", [result], int(alive), problems)
+    assert not problems, problems
+    assert alive, "in 3 tries the console had always exited before the tmux server was killed"
+
+
+def _kill_tmux_mid_quit(ws, problems: list[str]) -> tuple[bool, tuple]:
+    """One try: (whether the console was still running when its tmux server was killed, how it exited)."""
     socket = f"eagle3-fault-{uuid.uuid4().hex[:8]}"  # a private tmux server, never the user's
 
     def tmux(*args: str) -> subprocess.CompletedProcess:
@@ -275,7 +289,6 @@ def test_tmux_session_killed_while_the_console_quits(ws_with_job):
     started = subprocess.run(["tmux", "-L", socket, "-f", "/dev/null", "new-session", "-d", "-s", "console",
                               "-x", "80", "-y", "24", command], env=env, capture_output=True, text=True, timeout=10)
     assert started.returncode == 0, started.stderr
-    problems: list[str] = []
     pid = None
     try:
         pid = int(tmux("display-message", "-p", "-t", "console", "#{pane_pid}").stdout.strip())
@@ -296,11 +309,8 @@ def test_tmux_session_killed_while_the_console_quits(ws_with_job):
         result = watch_exit(pid, lambda: _gone(pid), cpu_before)
         if alive:
             _verdict("tmux, killed mid-quit", *result, problems)
+        return alive, result
     finally:
         tmux("kill-server")
         if pid is not None and not _gone(pid):
             os.kill(pid, signal.SIGKILL)
-    _check_after(ws, jobs, job, "tmux", problems)
-    _record("tmux mid-quit", [result], int(alive), problems)
-    assert not problems, problems
-    assert alive, "the console had already exited when the tmux server was killed"
