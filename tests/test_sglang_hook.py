@@ -233,7 +233,10 @@ def test_pending_host_memory_is_bounded_the_forward_waits_for_room(tmp_path, mon
 
     loop = threading.Thread(target=forward_loop, daemon=True)
     loop.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not called and time.monotonic() < deadline:  # the first forward passes (a slow box: later)
+        time.sleep(0.01)
+    time.sleep(0.5)  # time enough for the second to pass, were it not held
     # The first batch waits for the stalled writer; the second would pass the bound: its forward waits.
     assert called == ["r0"] and loop.is_alive()
     assert hook.pending_bytes == batch_bytes <= hook.pending_limit
