@@ -419,3 +419,29 @@ def test_dump_stacks_signals_torchruns_ranks_never_torchrun(manager: JobManager,
     assert psutil.pid_exists(launcher_pid) and psutil.Process(launcher_pid).status() != psutil.STATUS_ZOMBIE
     assert manager.get(info.id).state == "running"
     manager.kill(info.id)
+
+
+@pytest.mark.parametrize(("module", "job"), [("engine.extract", "extraction"), ("engine.train", "training"),
+                                             ("engine.evaluate", "evaluation")])
+def test_a_job_whose_error_event_cannot_be_written_still_says_why(tmp_path, module, job):
+    """A job ending on a bad config while its events file cannot take a line (a full disk; here the name is
+    a folder): exit 2 with the reason in its log, never a traceback from the failed event in its place.
+    With a writable events file the same reason is the job's error event."""
+    from engine.workspace import init_workspace
+
+    ws = init_workspace(tmp_path / "ws")
+    config = (ws.root / "console.toml").read_text()
+    (ws.root / "console.toml").write_text(config.replace("max_retries = ", "max_retries = -3 #"))
+    for events_writable in (False, True):
+        job_dir = tmp_path / f"job-{events_writable}"
+        job_dir.mkdir()
+        if not events_writable:
+            (job_dir / "events.jsonl").mkdir()
+        proc = subprocess.run([sys.executable, "-m", module, "--workspace", str(ws.root)], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "EAGLE3_JOB_DIR": str(job_dir)})
+        assert proc.returncode == 2, (proc.stdout, proc.stderr)
+        assert f"{job}: error: " in proc.stdout and "extract.max_retries" in proc.stdout, proc.stdout
+        assert "Traceback" not in proc.stderr, proc.stderr
+        if events_writable:
+            [event] = [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
+            assert event["type"] == "error" and "extract.max_retries" in event["message"]

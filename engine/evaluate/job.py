@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.evaluate.prompts import PromptError
     from engine.evaluate.sglang_eval import SglangEvalError
     from engine.evaluate.specdec import SpecDecodeError
-    from engine.jobs.context import JobContext
+    from engine.jobs.context import JobContext, say_error
     from engine.workspace import Workspace
 
     parser = argparse.ArgumentParser(prog="python -m engine.evaluate")
@@ -195,7 +195,4 @@ def main(argv: list[str] | None = None) -> int:
         return Evaluation(Workspace(args.workspace), ctx, args.limit).run()
     except (ConfigError, TokenizerError, PromptError, EvalError, SglangEvalError, SpecDecodeError, JobError,
             OSError) as exc:
-        if ctx is not None:
-            ctx.event("error", message=str(exc))
-        print(f"evaluation: error: {exc}", flush=True)
-        return 2
+        return say_error(ctx, "evaluation", str(exc))

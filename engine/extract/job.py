@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from engine.config import ConfigError
-    from engine.jobs.context import JobContext
+    from engine.jobs.context import JobContext, say_error
     from engine.workspace import Workspace
 
     parser = argparse.ArgumentParser(prog="python -m engine.extract")
@@ -707,21 +707,12 @@ def main(argv: list[str] | None = None) -> int:
         limit_torch_threads(ws.config.extract.concurrency)
         return asyncio.run(Extractor(ws, ctx, args.limit).run())
     except (ConfigError, ExtractionRefused, ExtractionFailed, RecordError) as exc:
-        if ctx is not None:
-            ctx.event("error", message=str(exc))
-        print(f"extraction: error: {exc}", flush=True)
-        return 2
+        return say_error(ctx, "extraction", str(exc))
     except OSError as exc:
         # Mid-run a full disk pauses; one that fills while the job starts or finishes (run.json,
         # token counts) ends it cleanly: every committed record stays, a restart resumes.
         if not is_no_space(exc):
             raise
-        message = (f"no space left on the disk of {exc.filename or 'the output'}: free some space (or set "
-                   "extract.output_dir on another disk) and start the extraction again; it resumes")
-        try:
-            if ctx is not None:
-                ctx.event("error", message=message)
-        except OSError:
-            pass
-        print(f"extraction: error: {message}", flush=True)
-        return 2
+        return say_error(ctx, "extraction", f"no space left on the disk of {exc.filename or 'the output'}: free "
+                         "some space (or set extract.output_dir on another disk) and start the extraction again; "
+                         "it resumes")

@@ -173,3 +173,15 @@ def _dump_stacks_on_sigusr1() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     except (AttributeError, ValueError, RuntimeError, OSError):  # no SIGUSR1 here, or stderr is closed
         pass
+
+
+def say_error(ctx: JobContext | None, job: str, message: str) -> int:
+    """A job's last word: its error event, where the disk still takes it, and its log line; exit code 2.
+    An event that cannot be written (a full disk) must not replace the reason with a traceback."""
+    if ctx is not None:
+        try:
+            ctx.event("error", message=message)
+        except OSError:
+            pass  # the log line below still says why
+    print(f"{job}: error: {message}", flush=True)
+    return 2

@@ -7,7 +7,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from engine.config import ConfigError
-    from engine.jobs.context import JobContext
+    from engine.jobs.context import JobContext, say_error
     from engine.train.data import TrainDataError
     from engine.train.loop import Trainer, TrainError, install_stop_handler
     from engine.workspace import Workspace
@@ -32,7 +32,4 @@ def main(argv: list[str] | None = None) -> int:
             install_stop_handler(trainer)
         return trainer.run()
     except (ConfigError, TrainError, TrainDataError) as exc:  # TrainDataError: a damaged record met mid-run
-        if ctx is not None:
-            ctx.event("error", message=str(exc))
-        print(f"training: error: {exc}", flush=True)
-        return 2
+        return say_error(ctx, "training", str(exc))
