@@ -415,6 +415,24 @@ def test_a_refused_capture_beside_a_foreign_file_is_a_retry_not_a_crash(tmp_path
     assert f"capture spool of {rid} left in place" in capfd.readouterr().err
 
 
+def test_a_limited_extraction_never_cuts_finished_records_out_of_the_run(server_ws):
+    """`--limit 3` on a finished run of 10: the resume repair keeps only planned records, so it would rewrite
+    the manifest with 3 and call the run complete. Refused instead, naming the fix; the run is untouched."""
+    from engine.extract.guard import ExtractionRefused
+
+    ws = server_ws
+    assert asyncio.run(Extractor(ws).run()) == 0
+    manifest = (ws.hidden_dir / "manifest.jsonl").read_bytes()
+    with pytest.raises(ExtractionRefused, match=r"holds 7 finished record\(s\) beyond --limit 3.*new name"):
+        asyncio.run(Extractor(ws, limit=3).run())
+    assert (ws.hidden_dir / "manifest.jsonl").read_bytes() == manifest
+    _assert_exactly_once(ws)
+    ws.save_config(set_value(ws.config, "extract.run", "smoke"))  # a limited run of its own is fine
+    ws.reload()
+    assert asyncio.run(Extractor(ws, limit=3).run()) == 0
+    _assert_exactly_once(ws, n=3)
+
+
 def test_a_capture_lost_to_a_full_spool_pauses_the_sample_and_spends_no_retry(server_ws, monkeypatch):
     """The server answered, then found the spool full (its `.nospace` mark, put here the first time each
     of two samples is read): the job pauses and captures those samples again under the same attempt,

@@ -578,6 +578,14 @@ class Extractor:
 
         check = await asyncio.to_thread(check_run, self.run_dir, hidden)
         planned = {s.id: s for s in plan.samples}
+        beyond = sum(1 for entry_id in check.good if entry_id not in planned)
+        if self.limit is not None and beyond:
+            # The repair below keeps only planned records: a limited plan would cut finished work out of
+            # the manifest (the same dataset and model: the fingerprint matched).
+            raise ExtractionRefused(
+                f"run {self.run_dir} holds {beyond} finished record(s) beyond --limit {self.limit}: a limited "
+                "extraction would drop them from its manifest; run without --limit to resume it, or set "
+                "extract.run to a new name for a limited run")
         good = [e for e in check.good.values() if e.id in planned and e.tokens == len(planned[e.id].input_ids)]
         if check.problems or len(good) != len(check.good):
             await asyncio.to_thread(rewrite_manifest, self.run_dir, good)
