@@ -488,13 +488,11 @@ class ConsoleApp(JobActions, App[int]):
 
     @work(thread=True, group="config", exclusive=True, exit_on_error=False)
     def _save_theme(self, name: str) -> None:
-        """Write ui.theme to console.toml, re-reading the file so edits made meanwhile survive."""
-        from engine.config import ConfigError, load_config, set_value
+        """Write ui.theme into console.toml in place: edits made meanwhile and the operator's notes survive."""
+        from engine.config import ConfigError
 
-        ws = self.workspace
         try:
-            config = set_value(load_config(ws.root), "ui.theme", name)
-            ws.save_config(config)
+            self.workspace.save_setting("ui.theme", name)
         except (ConfigError, OSError) as exc:
             self.call_from_thread(self.notify, f"theme not saved: {exc}", severity="warning", timeout=10)
 

@@ -14,6 +14,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.io import atomic
 from engine.config import (
@@ -23,8 +24,10 @@ from engine.config import (
     check_value,
     config_comments,
     load_config,
+    parse_config,
     render_config,
     resolve_path,
+    set_value,
 )
 from engine.errors import EngineError
 
@@ -203,6 +206,28 @@ class Workspace:
     def save_config(self, config: Config) -> None:
         atomic.write_text(self.config_path, render_config(config, CONFIG_COMMENTS), mode=0o600)
         self._config = config
+
+    def save_setting(self, dotted: str, value: Any) -> Config:
+        """Change one key of console.toml in place: the operator's own comments, notes and layout stay
+        (save_config renders the whole file anew). The file is re-read first, so edits made meanwhile
+        survive; the value is validated as `set_value` does. ConfigError or OSError; nothing written then."""
+        import tomlkit
+
+        text = self.config_path.read_text(encoding="utf-8")
+        config = set_value(parse_config(text, self.config_path), dotted, value)
+        section_name, key = dotted.split(".", 1)
+        document = tomlkit.parse(text)
+        section = document.setdefault(section_name, tomlkit.table())
+        item = tomlkit.item(getattr(getattr(config, section_name), key))
+        old = section.get(key)
+        if isinstance(old, tomlkit.items.Item) and old.trivia.comment:
+            item.trivia.comment, item.trivia.comment_ws = old.trivia.comment, old.trivia.comment_ws
+        section[key] = item
+        new_text = tomlkit.dumps(document)
+        parse_config(new_text, self.config_path)  # what is written reads back as `config`
+        atomic.write_text(self.config_path, new_text, mode=0o600)
+        self._config = config
+        return config
 
     def exists(self) -> bool:
         return self.config_path.is_file()

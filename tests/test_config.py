@@ -323,3 +323,21 @@ def test_cli_non_finite_reserve_is_one_clear_line(tmp_path, argv, value):
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1, proc.stderr
     assert "extract.disk_reserve_gb" in err[0] and f"(got {value})" in err[0] and "Fix:" in err[0]
+
+
+def test_save_setting_changes_one_key_in_place_and_refuses_bad_values_writing_nothing(tmp_path):
+    from engine.workspace import init_workspace
+
+    ws = init_workspace(tmp_path / "ws")
+    text = "# the operator's note\n" + ws.config_path.read_text().replace("[extract]\n", "[extract]\n# keep 3\n")
+    ws.config_path.write_text(text)
+    for key, value, said in (("extract.max_retries", -3, "must be at least 0"), ("nosuch.key", 1, "unknown section"),
+                             ("ui.nosuch", 1, "unknown key")):
+        with pytest.raises(ConfigError, match=said):
+            ws.save_setting(key, value)
+        assert ws.config_path.read_text() == text
+    config = ws.save_setting("extract.max_retries", 3)
+    assert config.extract.max_retries == 3 == ws.reload().extract.max_retries
+    lines = ws.config_path.read_text().splitlines()
+    assert [line for line in lines if line.startswith("max_retries = ")][0].startswith("max_retries = 3  # retries")
+    assert ws.config_path.read_text().replace("max_retries = 3", "max_retries = 2") == text

@@ -214,6 +214,9 @@ async def test_theme_cycles_and_is_saved_and_restored(ws):
     user_themes.mkdir()
     (user_themes / "mine.toml").write_text('name = "mine"\nprimary = "#ff8800"\ndark = true\n')
     (user_themes / "broken.toml").write_text('name = "broken"\nprimary = 3\n')
+    notes = ("# my box: 8x H200, the NVMe at /data\n", '# theme = "nord"  tried: too dim over SSH\n')
+    text = ws.config_path.read_text()
+    ws.config_path.write_text(notes[0] + text.replace("[ui]\n", "[ui]\n" + notes[1]))
     app = ConsoleApp(Engine(ws))
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
@@ -225,7 +228,10 @@ async def test_theme_cycles_and_is_saved_and_restored(ws):
         assert app.theme == "eagle3-light"
         await app.workers.wait_for_complete()
     assert load_config(ws.root).ui.theme == "eagle3-light"
-    assert 'theme = "eagle3-light"' in ws.config_path.read_text()
+    saved = ws.config_path.read_text()
+    assert 'theme = "eagle3-light"  # ' in saved, saved  # the key's own help stays beside it
+    assert all(note in saved for note in notes), saved  # the operator's notes survive a theme change
+    assert saved.replace('"eagle3-light"', '"eagle3-dark"') == notes[0] + text.replace("[ui]\n", "[ui]\n" + notes[1])
 
     app2 = ConsoleApp(Engine(Workspace(ws.root)))
     async with app2.run_test(size=(80, 24)) as pilot:
