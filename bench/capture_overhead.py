@@ -31,6 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.capture_ablation import MODES as ABLATIONS  # noqa: E402 - after the path
+
 # What the 'on' side exercises. The SGLang hook (engine/sglang/hook.py) shares only the writer process.
 CAPTURE_PATH = ("the local server's capture (engine/localserver/capture_sink.py, SpoolWriterProcess.submit_packed), "
                 "not the SGLang hook")
@@ -373,7 +375,7 @@ def main() -> int:  # noqa: C901 - a linear script
     parser.add_argument("--probe-server", metavar="OUT", default=None,
                         help="time the server's prefill forwards from inside (bench/runner_probe.py: host/GPU ms, "
                              "allocator counts, captured vs plain) into OUT")
-    parser.add_argument("--ablate", choices=("skip-write", "skip-copy", "answer-early"), default=None,
+    parser.add_argument("--ablate", choices=ABLATIONS, default=None,
                         help="switch one part of capturing off in the server (bench/capture_ablation.py) to see "
                              "what it costs (skip-*: the 'on' side then captures nothing to disk; answer-early: "
                              "it captures in full but answers before the writer process holds the states)")

@@ -224,7 +224,7 @@ class Workspace:
             item.trivia.comment, item.trivia.comment_ws = old.trivia.comment, old.trivia.comment_ws
         section[key] = item
         new_text = tomlkit.dumps(document)
-        parse_config(new_text, self.config_path)  # what is written reads back as `config`
+        parse_config(new_text, self.config_path)  # what is written still reads as a valid console.toml
         atomic.write_text(self.config_path, new_text, mode=0o600)
         self._config = config
         return config

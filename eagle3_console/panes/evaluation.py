@@ -245,10 +245,12 @@ class EvaluationPane(Pane):
         fix_text = fix_line(report)
         fix.display = bool(fix_text)
         fix.update("fix: " + fix_text if fix_text else "")
+        # This table sits above the scroll: a row that wraps loses its columns, so it narrows instead.
         rows = level_lines(report)
-        for narrower in (lambda: compact_level_lines(report), lambda: compact_level_lines(report, rates=False)):
-            if rows and width < max(len(line) for line in rows):
-                rows = narrower()  # this table sits above the scroll: a row that wraps loses its columns
+        if rows and width < max(len(line) for line in rows):
+            rows = compact_level_lines(report)
+        if rows and width < max(len(line) for line in rows):
+            rows = compact_level_lines(report, rates=False)
         levels.display = bool(rows)
         levels.update("\n".join(rows))
         rec_lines = recommendation_lines(report)

@@ -581,7 +581,7 @@ class Extractor:
         beyond = sum(1 for entry_id in check.good if entry_id not in planned)
         if self.limit is not None and beyond:
             # The repair below keeps only planned records: a limited plan would cut finished work out of
-            # the manifest (the same dataset and model: the fingerprint matched).
+            # the manifest (records of the same dataset and tokenizer: the fingerprint matched).
             raise ExtractionRefused(
                 f"run {self.run_dir} holds {beyond} finished record(s) beyond --limit {self.limit}: a limited "
                 "extraction would drop them from its manifest; run without --limit to resume it, or set "
