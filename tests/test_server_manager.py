@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -74,9 +75,9 @@ def test_capture_stage_beside_a_foreign_file_says_so_instead_of_crashing(running
     real_open, folders = segments.open_capture, []
 
     def open_beside_a_foreign_file(spool, rid, *args, **kwargs):
-        (segments.Path(spool) / rid).mkdir(parents=True, exist_ok=True)
-        (segments.Path(spool) / rid / "notes.txt").write_text("an operator's file")
-        folders.append(segments.Path(spool) / rid)
+        (Path(spool) / rid).mkdir(parents=True, exist_ok=True)
+        (Path(spool) / rid / "notes.txt").write_text("an operator's file")
+        folders.append(Path(spool) / rid)
         return real_open(spool, rid, *args, **kwargs)
 
     monkeypatch.setattr(segments, "open_capture", open_beside_a_foreign_file)
