@@ -415,7 +415,7 @@ def test_the_server_keeps_capturing_when_its_writer_process_is_killed(tiny_model
         assert writer.startswith("threads (4); the capture writer process exited (code -9)"), writer
         _capture(url, prompt, ["after-0", "after-1", "after-2"])
         for rid in ("after-0", "after-1", "after-2"):
-            after = assemble(spool, rid, expected_len=len(prompt), expected_input_ids=prompt)
+            after = assemble(spool, rid, expected_len=len(prompt), expected_input_ids=prompt, wait_s=30)
             assert torch.equal(after.aux_hidden_state, before.aux_hidden_state)
             assert torch.equal(after.hidden_state, before.hidden_state)
     assert "threads write the segments from now on" in log.read_text()

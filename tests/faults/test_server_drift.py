@@ -277,6 +277,7 @@ def test_bad_above_the_limit_fails_and_below_it_is_amber(server, monkeypatch, ca
 
 
 def test_segments_an_earlier_server_left_in_the_old_spool_are_swept(model8, tmp_path):
+    from engine.capture.segments import open_capture
     from engine.client import ServerClient
     from engine.extract.job import RUN_LOCK, SPOOL_SESSIONS
 
@@ -292,16 +293,21 @@ def test_segments_an_earlier_server_left_in_the_old_spool_are_swept(model8, tmp_
     rids = {"x0-abc123-a0": "dead session", "x1-abc123-a1": "dead session", "x0-def456-a0": "live session",
             "x0-fff000-a0": "another workspace"}
 
+    prompt = [5, 6, 7, 8, 9, 10]
+
     async def capture_all():
         client = ServerClient(status.url)
         try:
             for rid in rids:
-                await client.generate(input_ids=[5, 6, 7, 8, 9, 10], max_new_tokens=0, rid=rid)
+                await client.generate(input_ids=prompt, max_new_tokens=0, rid=rid)
         finally:
             await client.aclose()
 
     try:
         asyncio.run(capture_all())
+        # the server answers before its capture writer publishes: wait as extraction's reader does
+        for rid in rids:
+            open_capture(old, rid, expected_input_ids=prompt, wait_s=30).close()
         assert set(_segments(old)) == set(rids), _segments(old)
         orphan_bytes = sum(f.stat().st_size for d in old.iterdir() for f in d.iterdir())
         with lock_held_by_another_process(live, RUN_LOCK):
