@@ -195,6 +195,7 @@ def export_specforge(output_dir: Path, run: str, dest: str | os.PathLike,
             "run": run,
             "source": str(run_dir),
             "model": meta.get("model"),
+            "model_weights": meta.get("model_weights"),
             "samples": len(entries),
             "tokens": tokens,
             "hidden_size": hidden,
@@ -206,7 +207,7 @@ def export_specforge(output_dir: Path, run: str, dest: str | os.PathLike,
             "hidden_state": "[1, T, H]: the post-final-norm state feeding the LM head",
             "loss_mask": "[T] int64: 1 on assistant tokens",
         }
-        (tmp / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        atomic.write_text(tmp / SUMMARY, json.dumps(summary, indent=2) + "\n")  # fsynced like the samples
         for directory in [*sorted(p for p in tmp.iterdir() if p.is_dir()), tmp]:
             atomic.fsync_dir(directory)
         try:

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 
+from tests.helpers.models import fine_tune_in_place
 from tests.helpers.processes import lock_held_by_another_process
 from tests.helpers.slots import RequestSlots
 from tests.helpers.workspaces import make_workspace, write_conversations
@@ -460,3 +461,52 @@ def test_a_capture_lost_to_a_full_spool_pauses_the_sample_and_spends_no_retry(se
                                     for r in paused), paused
     assert not [kind for kind, _ in events if kind in ("retry", "bad_sample")]
     _assert_exactly_once(ws)
+
+
+def test_records_of_other_weights_are_not_resumed_vouched_for_or_trained_on(tiny_chat_model_dir, tmp_path):
+    """A fine-tune of the target (same architecture and tokenizer: every shape agrees) saved over model.path
+    after a run began: resuming would mix two models in one run, the stage would vouch for the records and
+    training would fit a drafter to a model nobody serves. Each refuses, naming both weights and the fix.
+    The same weights at another path (a moved model) are the same model: accepted."""
+    import shutil
+
+    from engine.extract.guard import ExtractionRefused
+    from engine.train.loop import Trainer, TrainError
+
+    model = tmp_path / "target"
+    shutil.copytree(tiny_chat_model_dir, model)
+    ws = _ws(tmp_path, model)
+    manager = ServerManager(ws)
+    asyncio.run(manager.start())
+    try:
+        assert asyncio.run(Extractor(ws, limit=3).run()) == 0
+        captured_from = json.loads((ws.hidden_dir / "run.json").read_text())["model_weights"]
+        assert isinstance(captured_from, str) and len(captured_from) == 16
+        assert asyncio.run(Pipeline(CheckContext(ws)).run_stage("extract")).results[0].status.value == "pass"
+        original = tmp_path / "original"
+        shutil.copytree(model, original)
+        fine_tune_in_place(model)
+        manifest = (ws.hidden_dir / "manifest.jsonl").read_bytes()
+        ws = ws.__class__(ws.root)
+        with pytest.raises(ExtractionRefused, match=rf"captured from weights {captured_from} .*but model.path "
+                                                    rf"{model} holds weights [0-9a-f]{{16}}.*mix two models"):
+            asyncio.run(Extractor(ws).run())
+        assert (ws.hidden_dir / "manifest.jsonl").read_bytes() == manifest
+        run_row = asyncio.run(Pipeline(CheckContext(ws)).run_stage("extract")).results[0]
+        assert run_row.name == "run" and run_row.status.value == "fail", run_row
+        assert f"captured from weights {captured_from}" in run_row.evidence and "model.path back" in run_row.fix
+        with pytest.raises(TrainError, match=rf"captured from weights {captured_from}.*set extract.run to a new"):
+            Trainer(ws, max_steps=1).run()
+        assert not (ws.drafter_dir / "metrics.jsonl").exists()
+
+        # the original weights, moved: the same model (the server is restarted on them: it checks the path)
+        asyncio.run(manager.stop(grace=5))
+        ws.save_config(set_value(ws.config, "model.path", str(original)))
+        ws.reload()
+        manager = ServerManager(ws)
+        asyncio.run(manager.start())
+        assert asyncio.run(Extractor(ws).run()) == 0
+        _assert_exactly_once(ws)
+        assert asyncio.run(Pipeline(CheckContext(ws)).run_stage("extract")).state.value == "passed"
+    finally:
+        asyncio.run(manager.stop(grace=5))

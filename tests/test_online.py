@@ -368,3 +368,46 @@ def test_a_full_disk_as_the_window_closes_keeps_the_runs_own_outcome(online_ws, 
         assert trainer.run() == 0
     assert len(notes) == 2 and "online window closed without its note: [Errno 28]" in capfd.readouterr().err
     assert "window_peak" not in json.loads((ws.drafter_dir / DATA_NOTE).read_text())  # the plan stays
+
+
+def test_kept_records_of_other_weights_are_dropped_and_said(tiny_chat_model_dir, tmp_path, capfd):
+    """Kept records (hybrid) of an earlier session whose target was fine-tuned in place since: they hold the
+    old model's states, so they are dropped (they can be captured again) and the log says how many and why;
+    the same weights keep them."""
+    import shutil
+
+    from engine.model.target import workspace_plan
+    from engine.model.weights_id import weights_id
+    from engine.records import RecordEntry, read_manifest, read_run_meta
+    from engine.train.online import OnlineData
+    from engine.workspace import Workspace
+    from tests.helpers.online import ONLINE_TRAIN
+    from tests.helpers.workspaces import write_conversations
+    from tests.helpers.models import fine_tune_in_place
+
+    model = tmp_path / "target"
+    shutil.copytree(tiny_chat_model_dir, model)
+    ws = make_workspace(tmp_path / "ws", model, **{**ONLINE_TRAIN, "train.mode": "hybrid",
+                                                    "dataset.path": "train.jsonl"})
+    write_conversations(ws.root / "train.jsonl", 12)
+
+    def open_window() -> OnlineData:
+        fresh = Workspace(ws.root)
+        return OnlineData(fresh, workspace_plan(fresh), 64, 0.15, 2)
+
+    first = open_window()
+    kept, held = first.kept_dir, first.own_eval[0]
+    assert read_run_meta(kept)["model_weights"] == weights_id(model)
+    record = kept / "records" / "000" / "s.safetensors"
+    record.parent.mkdir(parents=True)
+    record.write_bytes(b"old states")
+    entry = RecordEntry(held.id, held.index, "records/000/s.safetensors", 4, 2, 10, "0" * 64)
+    (kept / "manifest.jsonl").write_text(entry.to_json() + "\n")
+    assert len(read_manifest(kept)[0]) == 1
+    capfd.readouterr()
+    assert open_window().kept and "dropped" not in capfd.readouterr().err  # same weights, same dataset: kept
+    fine_tune_in_place(model)
+    open_window()
+    said = capfd.readouterr().err
+    assert f"note: {kept}: 1 kept record(s) of an earlier session dropped (model_weights changed)" in said, said
+    assert read_run_meta(kept)["model_weights"] == weights_id(model) and not record.exists()

@@ -164,11 +164,14 @@ class Extractor:
             raise ExtractionRefused(f"{exc}; fix the `model` stage first") from None
 
     def _check_run_meta(self, plan: Plan, target, layers: list[int]) -> None:
+        from engine.model.weights_id import WEIGHTS_FIX, weights_mismatch
+
         hidden = target.hidden_size
         meta = {"model": str(self.ws.model_dir), "hidden_size": hidden, "layers": layers,
                 "architecture": target.architecture, "sglang_layer_ids": target.sglang_ids, "dataset": plan.dataset,
                 "fingerprint": plan.fingerprint, "max_seq_len": self.cfg.dataset.max_seq_len,
-                "num_samples": len(plan.samples), "dtype": "bfloat16", "aux_format": self.cfg.extract.aux_format}
+                "num_samples": len(plan.samples), "dtype": "bfloat16", "aux_format": self.cfg.extract.aux_format,
+                "model_weights": self._weights_id()}
         if (self.run_dir / "run.json").is_file():
             old = {"aux_format": "bf16", **read_run_meta(self.run_dir)}  # runs from before the key: bf16
             for key in ("hidden_size", "layers", "fingerprint", "max_seq_len", "aux_format"):
@@ -176,8 +179,21 @@ class Extractor:
                     raise ExtractionRefused(
                         f"run {self.run_dir} was made with {key}={old.get(key)!r}, now {meta[key]!r}: set "
                         "extract.run to a new name (old records are kept until you release them)")
+            mismatch = weights_mismatch(old, self.ws.model_dir, meta["model_weights"])
+            if mismatch:
+                raise ExtractionRefused(f"run {self.run_dir}: {mismatch}; resuming would mix two models' hidden "
+                                        f"states in one run. Fix: {WEIGHTS_FIX}")
         else:
             write_run_meta(self.run_dir, {**meta, "created_at": time.time()})
+
+    def _weights_id(self) -> str | None:
+        from engine.model.weights_id import weights_id
+
+        try:
+            return weights_id(self.ws.model_dir)
+        except OSError as exc:
+            raise ExtractionRefused(f"the target's weights in {self.ws.model_dir} cannot be read ({exc}); fix the "
+                                    "`model` stage first") from None
 
     def endpoints(self) -> list[str]:
         from engine.server.manager import ServerManager

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model.weights_id import WEIGHTS_FIX, weights_id, weights_mismatch
 from engine.records import RecordEntry, RecordError, load_record, read_manifest, read_run_meta
 from engine.train.mixed import compiled_or_eager
 from engine.errors import EngineError
@@ -67,7 +68,9 @@ def is_eval(sample_id: str, fraction: float) -> bool:
 class RecordData:
     """The records of one extraction run, split deterministically by sample id."""
 
-    def __init__(self, run_dir: Path, hidden_size: int, max_len: int, eval_fraction: float):
+    def __init__(self, run_dir: Path, hidden_size: int, max_len: int, eval_fraction: float,
+                 model_dir: Path | None = None):
+        """`model_dir`: the target trained against; records captured from other weights are refused."""
         self.run_dir = Path(run_dir)
         self.max_len = max_len
         self.meta = read_run_meta(self.run_dir)
@@ -75,6 +78,14 @@ class RecordData:
         if run_h is not None and int(run_h) != hidden_size:
             raise TrainDataError(f"{self.run_dir}: records have hidden size {run_h} but the target model has "
                                  f"{hidden_size}; point extract.run at records of this model or re-extract")
+        if model_dir is not None:
+            try:
+                current = weights_id(model_dir)
+            except OSError as exc:
+                raise TrainDataError(f"the target's weights in {model_dir} cannot be read: {exc}") from None
+            mismatch = weights_mismatch(self.meta, model_dir, current)
+            if mismatch:  # the drafter would learn a model nobody serves
+                raise TrainDataError(f"{self.run_dir}: {mismatch}. Fix: {WEIGHTS_FIX}")
         entries, problems = read_manifest(self.run_dir)
         usable = sorted((e for e in entries.values() if e.tokens >= 3), key=lambda e: e.index)
         if not usable:

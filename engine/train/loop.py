@@ -176,7 +176,7 @@ class Trainer:
             if self.online:
                 self.data = self._online_data()
             else:
-                self.data = RecordData(run_dir, hidden, self.cfg.max_len, self.cfg.eval_fraction)
+                self.data = RecordData(run_dir, hidden, self.cfg.max_len, self.cfg.eval_fraction, model_dir)
         except RecordError as exc:
             raise TrainError(f"{exc}; run the extraction first") from None
         except TrainDataError as exc:

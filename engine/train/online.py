@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections import deque
@@ -62,6 +63,7 @@ from typing import Any, Callable
 import psutil
 
 from engine.io import atomic
+from engine.model.weights_id import weights_id
 from engine.records import (
     RecordEntry,
     RecordError,
@@ -228,14 +230,22 @@ class OnlineData(RecordData):
     # ------------------------------------------------------------------ start
     def _open_kept(self) -> None:
         """Kept records of an earlier session that still match this dataset and model; the rest go."""
+        try:
+            weights = weights_id(self.ws.model_dir)
+        except OSError as exc:
+            raise TrainDataError(f"the target's weights in {self.ws.model_dir} cannot be read: {exc}") from None
         meta = {"fingerprint": self.fingerprint, "hidden_size": self.hidden_size,
                 "layers": list(self.target.capture_layers), "model": str(self.ws.model_dir),
-                "aux_format": self.cfg.extract.aux_format}
+                "aux_format": self.cfg.extract.aux_format, "model_weights": weights}
         try:
             old = read_run_meta(self.kept_dir)
         except RecordError:
             old = None
-        if old is not None and any(old.get(k) != v for k, v in meta.items()):
+        changed = [k for k, v in meta.items() if old is not None and old.get(k) != v]
+        if changed:  # records of another dataset or model: captured again from this one
+            entries, _ = read_manifest(self.kept_dir)
+            print(f"note: {self.kept_dir}: {len(entries)} kept record(s) of an earlier session dropped "
+                  f"({', '.join(changed)} changed); they are captured again", file=sys.stderr, flush=True)
             shutil.rmtree(self.kept_dir, ignore_errors=True)
             old = None
         self.kept_dir.mkdir(parents=True, exist_ok=True)

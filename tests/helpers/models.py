@@ -80,3 +80,13 @@ def write_min_model(path: Path) -> Path:
         "intermediate_size": 128, "vocab_size": 300,
     }))
     return path
+
+
+def fine_tune_in_place(model_dir: Path) -> None:
+    """What a fine-tune saved over a target looks like from outside: the same config, tokenizer, tensor names
+    and shapes; other numbers."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = {name: (t.float() * 1.01 + 1e-3).to(t.dtype) for name, t in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
