@@ -445,3 +445,28 @@ def test_a_job_whose_error_event_cannot_be_written_still_says_why(tmp_path, modu
         if events_writable:
             [event] = [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
             assert event["type"] == "error" and "extract.max_retries" in event["message"]
+
+
+def test_a_regeneration_whose_error_event_cannot_be_written_still_says_why(tmp_path):
+    """The dataset regeneration job (its own convention: `error: ...` on stderr, exit 1) on a bad config with
+    an events file that takes no line: the reason, not a traceback from the failed event."""
+    from engine.workspace import init_workspace
+
+    ws = init_workspace(tmp_path / "ws")
+    config = (ws.root / "console.toml").read_text()
+    (ws.root / "console.toml").write_text(config.replace("max_retries = ", "max_retries = -3 #"))
+    for events_writable in (False, True):
+        job_dir = tmp_path / f"job-{events_writable}"
+        job_dir.mkdir()
+        if not events_writable:
+            (job_dir / "events.jsonl").mkdir()
+        proc = subprocess.run([sys.executable, "-m", "engine.dataset", "regenerate", "--workspace", str(ws.root),
+                               "--out", str(tmp_path / "out.jsonl")], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "EAGLE3_JOB_DIR": str(job_dir)})
+        assert proc.returncode == 1, (proc.stdout, proc.stderr)
+        assert "error: " in proc.stderr and "extract.max_retries" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+        if events_writable:
+            events = [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines()]
+            assert [e["type"] for e in events][-1] == "error" and "extract.max_retries" in events[-1]["message"]
+        assert not (tmp_path / "out.jsonl").exists()

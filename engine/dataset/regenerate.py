@@ -313,9 +313,12 @@ def main_regenerate(opts: RegenerateOptions) -> int:
     try:
         summary = asyncio.run(run_regeneration(opts, reporter))
     except (RegenerateError, DatasetError, TokenizerError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
         if reporter.ctx is not None:
-            reporter.ctx.event("error", message=str(exc))
-        print(f"error: {exc}", file=sys.stderr)
+            try:
+                reporter.ctx.event("error", message=str(exc))
+            except OSError:
+                pass  # a full disk: the line above still says why
         return EXIT_ERROR
     reporter.event("finished", **summary.to_dict())
     if summary.stopped or summary.failed:
