@@ -183,6 +183,10 @@ def test_hybrid_keeps_what_fits_stops_cleanly_and_reuses_its_kept_records(online
         [(epochs, positions[-1][3])], positions[-3:]
     end = [e for e in second if e.get("type") == "window" and "window_peak" in e][-1]
     assert end["producer_cpu_s"] >= 0 and end["capture_cpu_s"] > 0, end
+    from engine.model.weights_id import weights_id
+    from engine.train.export import trained_for
+
+    assert trained_for(ws.drafter_dir / "export") == weights_id(ws.model_dir)  # what check train compares
 
 
 @pytest.mark.parametrize("online_ws", ["64m"], indirect=True)

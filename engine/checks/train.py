@@ -9,6 +9,7 @@ of metrics.jsonl, e.g. for non-finite loss or gradients; a resume trims it)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
@@ -98,6 +99,27 @@ def _estimate(ctx: CheckContext) -> str:
             f"{fmt_bytes(window_budget(cfg))} window, instead of the {offline} an offline extraction would store")
 
 
+RETRAIN_FIX = ("point model.path back at the weights the drafter was trained against, or train one for this model: "
+               "new extract.run and train.run names, then extract and train")
+
+
+def _trained_for_other_weights(export: Path, model_dir: Path) -> str | None:
+    from engine.model.weights_id import weights_id
+    from engine.train.export import trained_for
+
+    trained = trained_for(export)
+    if trained is None:
+        return None
+    try:
+        current = weights_id(model_dir)
+    except OSError:
+        return None  # the `model` stage names an unreadable model.path
+    if current is None or current == trained:
+        return None
+    return (f"{export}: trained against target weights {trained}, but model.path {model_dir} holds weights "
+            f"{current}")
+
+
 def check_train(ctx: CheckContext) -> list[CheckResult]:
     from engine.jobs.manager import JobManager
     from engine.train import checkpoint as ckpt
@@ -128,6 +150,9 @@ def check_train(ctx: CheckContext) -> list[CheckResult]:
     if verdict.problems:
         return [failed("export", f"{export}: {'; '.join(verdict.problems[:3])}",
                        f"re-export: {SIGN_FIX}; if the new export is refused too, report a bug")]
+    other_target = _trained_for_other_weights(export, ctx.workspace.model_dir)
+    if other_target:  # SGLang would load it; it predicts a model this workspace no longer serves
+        return [failed("export", other_target, RETRAIN_FIX)]
     finite = f"all {verdict.values:,} weights finite"
     if verdict.signed:
         results = [passed("export", f"{export}: config.json and weights match the {LAYOUT}; sha256 "

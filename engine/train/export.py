@@ -118,8 +118,9 @@ def _sha256_bytes(data: bytes) -> dict:
     return {"sha256": sha256_of(data), "bytes": len(data)}
 
 
-def export_drafter(model: Eagle3Drafter, out_dir: Path) -> Path:
-    """Write model.safetensors, config.json, then manifest.json (their sha256), each atomically.
+def export_drafter(model: Eagle3Drafter, out_dir: Path, target_weights: str | None = None) -> Path:
+    """Write model.safetensors, config.json, then manifest.json (their sha256, and `target_weights`: the
+    id of the target weights the drafter was trained against, engine.model.weights_id), each atomically.
 
     Refuses (ExportError, nothing written) a drafter with a non-finite weight. The old manifest goes
     first: until the new one is in place the export reads as unsigned, never as signed for other bytes."""
@@ -145,6 +146,7 @@ def export_drafter(model: Eagle3Drafter, out_dir: Path) -> Path:
         "version": 1, "written_at": time.time(),
         "files": {WEIGHTS: _sha256_bytes(weights), CONFIG: _sha256_bytes(config)},
         "tensors": len(tensors), "values": sum(t.numel() for t in tensors.values()), "nonfinite": 0,
+        "target_weights": target_weights,
     })
     return out_dir
 
@@ -211,6 +213,13 @@ def _scan_weights(path: Path) -> tuple[str, int, dict[str, tuple[int, int]], int
 
 def _size(value) -> str:
     return f"{value:,}" if isinstance(value, int) else "?"
+
+
+def trained_for(out_dir: Path) -> str | None:
+    """The id of the target weights the export was trained against (None: not recorded, or unsigned)."""
+    manifest, _ = _read_manifest(Path(out_dir))
+    value = (manifest or {}).get("target_weights")
+    return value if isinstance(value, str) else None
 
 
 def _read_manifest(out_dir: Path) -> tuple[dict | None, str | None]:

@@ -675,7 +675,7 @@ class Trainer:
                 model = Eagle3Drafter(self.model.cfg)
                 model.load_state_dict({**state["model"], "embed_tokens.weight": self.model.embed_tokens.weight.cpu()})
         try:
-            path = export_drafter(model, self.out_dir / "export")
+            path = export_drafter(model, self.out_dir / "export", self.data.meta.get("model_weights"))
         except ExportError as exc:
             raise TrainError(str(exc)) from None
         self.event("finished", step=self.step, export=str(path), best_sim_al=self.best_sim_al,

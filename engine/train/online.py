@@ -237,6 +237,7 @@ class OnlineData(RecordData):
         meta = {"fingerprint": self.fingerprint, "hidden_size": self.hidden_size,
                 "layers": list(self.target.capture_layers), "model": str(self.ws.model_dir),
                 "aux_format": self.cfg.extract.aux_format, "model_weights": weights}
+        self.meta["model_weights"] = weights  # what the drafter is trained against (its export says so)
         try:
             old = read_run_meta(self.kept_dir)
         except RecordError:

@@ -115,6 +115,47 @@ def test_an_overwritten_export_turns_train_red_and_check_exits_nonzero(tiny_mode
           f"  {shown}")
 
 
+def test_a_drafter_trained_for_other_target_weights_turns_train_red(tiny_model_dir, hidden_run, tmp_path):
+    """The export names the target weights it was trained against. A fine-tune of the target at model.path
+    (same shapes and tokenizer: SGLang would load the drafter beside it) turns `train` red, naming both
+    weights and the fix; the same weights at another path (moved) are green."""
+    import shutil
+
+    from engine.checks.base import Status
+    from engine.checks.context import CheckContext
+    from engine.checks.train import check_train
+    from engine.config import set_value
+    from engine.model.weights_id import weights_id
+    from engine.train.export import trained_for
+    from engine.train.loop import Trainer
+    from engine.workspace import Workspace
+    from tests.helpers.models import fine_tune_in_place
+
+    torch.set_num_threads(1)
+    ws = _train_ws(tmp_path / "ws", tiny_model_dir, hidden_run)
+    assert Trainer(ws, device="cpu").run() == 0
+    trained = trained_for(ws.drafter_dir / "export")
+    assert trained == weights_id(tiny_model_dir)
+
+    def point_at(model: Path) -> Workspace:
+        ws.save_config(set_value(ws.config, "model.path", str(model)))
+        return Workspace(ws.root)
+
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_model_dir, moved)
+    assert [r.status for r in check_train(CheckContext(point_at(moved)))] == [Status.PASS]
+    fine_tune_in_place(moved)
+    results = check_train(CheckContext(point_at(moved)))
+    assert [r.status for r in results] == [Status.FAIL], results
+    assert f"trained against target weights {trained}, but model.path {moved} holds weights " in \
+        results[0].evidence, results[0].evidence
+    assert "model.path back" in results[0].fix
+    proc = _cli_check_train(ws)
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert [r.status for r in check_train(CheckContext(point_at(tiny_model_dir)))] == [Status.PASS]
+    ledger.add("drafter of other target weights", trials=1, faults=1)
+
+
 def test_a_drafter_with_nonfinite_weights_is_never_exported(tiny_model_dir, hidden_run, tmp_path):
     """The found export: nearly every weight NaN. The trainer refuses to write it (the job fails naming the
     tensor); an export written that way by an older version is red with the count."""

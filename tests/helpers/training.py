@@ -10,6 +10,7 @@ import torch
 
 from engine import records
 from engine.capture.layers import to_sglang_numbering
+from engine.model.weights_id import weights_id
 from engine.workspace import Workspace, init_workspace
 
 
@@ -52,7 +53,7 @@ def make_records(model_dir: Path, run_dir: Path, n: int = 24, length: int = 40, 
             counts += torch.bincount(ids[0][mask.bool()], minlength=vocab)
     records.write_run_meta(run_dir, {"model": str(model_dir), "hidden_size": model.config.hidden_size,
                                      "layers": layers, "layers_sglang": to_sglang_numbering(layers),
-                                     "num_samples": n, "dtype": "bfloat16"})
+                                     "num_samples": n, "dtype": "bfloat16", "model_weights": weights_id(model_dir)})
     records.save_token_counts(run_dir, counts)
     return {"layers": layers, "model": model}
 
