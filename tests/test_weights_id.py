@@ -56,3 +56,29 @@ def test_no_weight_files_means_nothing_to_compare(tmp_path):
     said = weights_mismatch(meta, Path("/models/b"), "fedcba9876543210")
     assert said == ("its records were captured from weights 0123456789abcdef (/models/a), but model.path /models/b "
                     "holds weights fedcba9876543210")
+
+
+def test_a_remembered_id_is_read_again_when_a_file_changes(tmp_path, monkeypatch):
+    """Polls ask every second, so an id is remembered by the files' inode, size and mtime; a rewrite (a new
+    mtime, even with the same size and inode) is read again, and a file written within the last RACY_S
+    seconds is never remembered (file times are coarse)."""
+    import os
+    import time
+
+    import engine.model.weights_id as module
+
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(bytes(4 * SAMPLES * BLOCK))
+    past = time.time() - 60
+    os.utime(shard, (past, past))
+    reads: list[Path] = []
+    real = module._sampled_id
+    monkeypatch.setattr(module, "_sampled_id", lambda d, files: reads.append(d) or real(d, files))
+    first = weights_id(tmp_path)
+    assert weights_id(tmp_path) == first and len(reads) == 1  # remembered
+    with open(shard, "r+b") as handle:  # in place: same inode and size
+        handle.seek(len(handle.read()) - 1)
+        handle.write(b"\x01")
+    fresh = weights_id(tmp_path)
+    assert fresh != first and len(reads) == 2
+    assert weights_id(tmp_path) == fresh and len(reads) == 3  # written just now: read each time

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -27,11 +28,38 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def weights_id(model_dir: str | os.PathLike) -> str | None:
     """A short hex id of the weights in `model_dir`; None when it holds no weight file (nothing to
-    compare). OSError when a file cannot be read."""
+    compare). OSError when a file cannot be read. Remembered while no file's inode, size or mtime
+    changes: a poll may ask every second."""
     model_dir = Path(model_dir)
     files = weight_files(model_dir)
     if not files:
         return None
+    stats = [_stat(p) for p in [model_dir / "config.json", *files]]
+    key = (str(model_dir.resolve()), tuple(stats))
+    if key in _REMEMBERED:
+        return _REMEMBERED[key]
+    found = _sampled_id(model_dir, files)
+    # File times are coarse (a jiffy): a rewrite within the tick of this read would keep its key.
+    if all(time.time_ns() - mtime > RACY_S * 1e9 for _, _, _, mtime in stats):
+        if len(_REMEMBERED) >= 16:
+            _REMEMBERED.pop(next(iter(_REMEMBERED)))
+        _REMEMBERED[key] = found
+    return found
+
+
+_REMEMBERED: dict[tuple, str] = {}
+RACY_S = 2.0
+
+
+def _stat(path: Path) -> tuple[str, int, int, int]:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return (path.name, 0, -1, 0)
+    return (path.name, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _sampled_id(model_dir: Path, files: list[Path]) -> str:
     digest = hashlib.sha256()
     config = model_dir / "config.json"
     if config.is_file():

@@ -184,7 +184,7 @@ class ServerManager:
         if current is not None and current.state in ACTIVE_STATES:
             return await self.poll()
         from engine.config import ConfigError
-        from engine.server.drift import api_key_fingerprint
+        from engine.server.drift import api_key_fingerprint, current_weights
 
         try:
             # console.toml as it is now, not as it was when this process first read it: a restart
@@ -198,13 +198,14 @@ class ServerManager:
         if busy:
             raise ServerStartError(f"{busy}: stop whatever holds it, or set server.port to a free port")
         spools = self._earlier_spools(spec)
+        weights = await asyncio.to_thread(current_weights, self.workspace.model_dir)
         # JobManager.start waits (briefly, blocking) for the supervisor: keep it off the event loop.
         job = await asyncio.to_thread(self.jobs.start, "server", spec.argv, env=spec.env, cwd=self.workspace.root)
         self._write_record(job_id=job.id, url=spec.url, backend=spec.backend, desired="running",
                            capture=spec.capture, spool_dir=spec.spool_dir, capture_layers=list(spec.capture_layers),
                            argv=spec.redacted_argv(), env=spec.redacted_env_set(), started_at=time.time(),
                            api_key_sha256=api_key_fingerprint(self.workspace.config.server.api_key),
-                           earlier_spools=spools,
+                           earlier_spools=spools, model_weights=weights,
                            restarts=self.record().get("restarts", 0) if restarts is None else restarts)
         if spools:
             await asyncio.to_thread(self._sweep_earlier_spools, spools, spec.spool_dir)

@@ -156,6 +156,42 @@ def test_a_capture_setting_changed_while_the_server_runs_turns_server_and_captur
     ledger.add("server drift named (stages, status)", trials=1, faults=1)
 
 
+def test_weights_replaced_under_a_running_server_turn_server_red_and_refuse_the_extraction(model8, tmp_path):
+    """A fine-tune saved over model.path while the server runs: console.toml did not change, yet the server
+    holds other weights than the files. Server and capture name both weights and ask for a restart; the
+    extraction refuses (its records would be stamped with the new weights and hold the old ones' states);
+    after the restart there is nothing to say."""
+    from tests.helpers.models import fine_tune_in_place
+
+    model = tmp_path / "target"
+    shutil.copytree(model8, model)
+    ws = _ws(tmp_path / "ws", model, **{"extract.spool_dir": str(tmp_path / "spool")})
+    manager = ServerManager(ws)
+    asyncio.run(manager.start())
+    try:
+        loaded = manager.record()["model_weights"]
+        assert manager.drift() == []
+        fine_tune_in_place(model)
+        differences = ServerManager(Workspace(ws.root)).drift()
+        assert [d.setting for d in differences] == ["model.path"], differences
+        assert loaded in differences[0].running and str(model) in differences[0].wanted, differences
+        for stage in ("server", "capture"):
+            check = _named(_stage(ws, stage), "settings")
+            assert check is not None and check.status.value == "fail" and RESTART in check.fix, check
+            assert f"weights {loaded} (loaded at start)" in check.evidence, check.evidence
+        with pytest.raises(ExtractionRefused, match=f"weights {loaded}"):
+            asyncio.run(Extractor(Workspace(ws.root), limit=2).run())
+        assert not (ws.hidden_dir / "manifest.jsonl").exists()
+        asyncio.run(manager.stop(grace=5))
+        manager = ServerManager(Workspace(ws.root))
+        asyncio.run(manager.start())
+        assert manager.drift() == [] and manager.record()["model_weights"] != loaded
+    finally:
+        asyncio.run(manager.stop(grace=5))
+    print(f"\n  weights replaced under the server: {differences[0].describe()}")
+    ledger.add("server drift named (stages, status)", trials=1, faults=1)
+
+
 def test_port_change_is_amber_and_the_extraction_names_the_port_it_uses(server, capsys):
     ws, _, _ = server
     old = ws.config.server.port
