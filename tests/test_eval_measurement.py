@@ -165,9 +165,11 @@ def test_evaluate_is_amber_stale_when_the_export_or_the_target_changes(tmp_path)
     results = fresh()
     assert results["drafter"].status is Status.PASS and "target (config.json sha256" in results["drafter"].evidence
     assert results["speedup"].status is Status.PASS
+    (model / "model.safetensors").write_bytes(b"target weights")
     for path, text, what in ((export / "config.json", '{"draft_vocab_size": 64}', "export's config.json changed"),
                              (export / "model.safetensors", "weights-2", "export's model.safetensors changed"),
-                             (model / "config.json", '{"num_hidden_layers": 8}', "target's config.json changed")):
+                             (model / "config.json", '{"num_hidden_layers": 8}', "target's config.json changed"),
+                             (model / "model.safetensors", "fine-tuned", "target's weights changed")):
         fresh()
         path.write_text(text)
         results = check_evaluate(CheckContext(ws))

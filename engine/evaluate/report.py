@@ -406,10 +406,14 @@ def _manifest_hashes(export_dir: Path) -> dict[str, str] | None:
 
 
 def target_identity(model_dir: Path) -> dict[str, Any]:
-    """The target measured: its directory and the sha256 of its config.json."""
+    """The target measured: its directory, the sha256 of its config.json and the id of its weights
+    (engine.model.weights_id: a fine-tune saved over them changes it, the config stays)."""
+    from engine.server.drift import current_weights
+
     config = Path(model_dir) / CONFIG
     return {"path": str(Path(model_dir).resolve()),
-            "config_sha256": file_sha256(config) if config.is_file() else None}
+            "config_sha256": file_sha256(config) if config.is_file() else None,
+            "weights": current_weights(model_dir)}
 
 
 def stale_reasons(report: dict[str, Any], export_dir: Path, model_dir: Path) -> list[str]:
@@ -432,6 +436,8 @@ def stale_reasons(report: dict[str, Any], export_dir: Path, model_dir: Path) -> 
     elif "config_sha256" in target and target.get("config_sha256") != now["config_sha256"]:
         reasons.append(f"the target's {CONFIG} changed (sha256 {str(target.get('config_sha256'))[:12]}… measured, "
                        f"{str(now['config_sha256'])[:12]}… now)")
+    elif target.get("weights") and now["weights"] and target["weights"] != now["weights"]:
+        reasons.append(f"the target's weights changed (weights {target['weights']} measured, {now['weights']} now)")
     return reasons
 
 
