@@ -486,6 +486,9 @@ def test_records_of_other_weights_are_not_resumed_vouched_for_or_trained_on(tiny
         original = tmp_path / "original"
         shutil.copytree(model, original)
         fine_tune_in_place(model)
+        asyncio.run(manager.stop(grace=5))  # the server loads the fine-tune (a running one would be drift)
+        manager = ServerManager(ws.__class__(ws.root))
+        asyncio.run(manager.start())
         manifest = (ws.hidden_dir / "manifest.jsonl").read_bytes()
         ws = ws.__class__(ws.root)
         with pytest.raises(ExtractionRefused, match=rf"captured from weights {captured_from} .*but model.path "

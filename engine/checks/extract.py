@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
-from engine.model.weights_id import WEIGHTS_FIX, weights_id, weights_mismatch
+from engine.model.weights_id import WEIGHTS_FIX, readable_weights_id, weights_mismatch
 from engine.system.disk import fmt_bytes
 
 START_FIX = "start the extraction: `eagle3-console run extract` or `s` on the Extraction pane"
@@ -28,14 +27,6 @@ def check_extract_stage(ctx: CheckContext) -> list[CheckResult]:
                            "to train from extracted records")]
 
 
-def _weights_mismatch(meta: dict, model_dir: Path) -> str | None:
-    try:
-        current = weights_id(model_dir)
-    except OSError:
-        return None  # the `model` stage names an unreadable model.path
-    return weights_mismatch(meta, model_dir, current)
-
-
 def check_extract(ctx: CheckContext) -> list[CheckResult]:
     from engine.extract.job import BAD_FIX, bad_summary
     from engine.extract.layout import COMPLETE
@@ -51,7 +42,7 @@ def check_extract(ctx: CheckContext) -> list[CheckResult]:
         if active:
             return [failed("run", f"extraction job {active[0].id} is planning the run", "wait for it")]
         return [failed("run", str(exc), START_FIX)]
-    mismatch = _weights_mismatch(meta, ctx.workspace.model_dir)
+    mismatch = weights_mismatch(meta, ctx.workspace.model_dir, readable_weights_id(ctx.workspace.model_dir))
     if mismatch:  # every other row would vouch for records of a model nobody trains against
         return [failed("run", f"{run_dir}: {mismatch}", WEIGHTS_FIX)]
     results = [passed("run", f"{run_dir}: {meta.get('num_samples')} samples planned, H={meta.get('hidden_size')}, "

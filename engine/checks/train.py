@@ -104,16 +104,13 @@ RETRAIN_FIX = ("point model.path back at the weights the drafter was trained aga
 
 
 def _trained_for_other_weights(export: Path, model_dir: Path) -> str | None:
-    from engine.model.weights_id import weights_id
+    from engine.model.weights_id import readable_weights_id
     from engine.train.export import trained_for
 
     trained = trained_for(export)
     if trained is None:
         return None
-    try:
-        current = weights_id(model_dir)
-    except OSError:
-        return None  # the `model` stage names an unreadable model.path
+    current = readable_weights_id(model_dir)
     if current is None or current == trained:
         return None
     return (f"{export}: trained against target weights {trained}, but model.path {model_dir} holds weights "

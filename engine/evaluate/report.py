@@ -408,12 +408,12 @@ def _manifest_hashes(export_dir: Path) -> dict[str, str] | None:
 def target_identity(model_dir: Path) -> dict[str, Any]:
     """The target measured: its directory, the sha256 of its config.json and the id of its weights
     (engine.model.weights_id: a fine-tune saved over them changes it, the config stays)."""
-    from engine.server.drift import current_weights
+    from engine.model.weights_id import readable_weights_id
 
     config = Path(model_dir) / CONFIG
     return {"path": str(Path(model_dir).resolve()),
             "config_sha256": file_sha256(config) if config.is_file() else None,
-            "weights": current_weights(model_dir)}
+            "weights": readable_weights_id(model_dir)}
 
 
 def stale_reasons(report: dict[str, Any], export_dir: Path, model_dir: Path) -> list[str]:

@@ -47,6 +47,15 @@ def weights_id(model_dir: str | os.PathLike) -> str | None:
     return found
 
 
+def readable_weights_id(model_dir: str | os.PathLike) -> str | None:
+    """weights_id, or None when the directory cannot be read: for comparisons that leave an unreadable
+    model.path to the `model` stage, which names it."""
+    try:
+        return weights_id(model_dir)
+    except OSError:
+        return None
+
+
 _REMEMBERED: dict[tuple, str] = {}
 RACY_S = 2.0
 

@@ -61,16 +61,6 @@ def describe(differences: list[Difference]) -> str:
     return "; ".join(d.describe() for d in differences)
 
 
-def current_weights(model_dir: Any) -> str | None:
-    """The id of the weights in `model_dir` (engine.model.weights_id); None when there is none to read."""
-    from engine.model.weights_id import weights_id
-
-    try:
-        return weights_id(model_dir)
-    except OSError:
-        return None
-
-
 def api_key_fingerprint(key: str | None) -> str:
     """What the record keeps of the API key: enough to tell a changed key, never the key."""
     return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
@@ -187,7 +177,9 @@ def compare(record: dict, spec, config, info: dict | None = None) -> list[Differ
     # captures would be stamped with the new weights' id and hold the old ones' states.
     loaded = record.get("model_weights")
     if loaded and wanted_model and "model.path" not in found:
-        now = current_weights(wanted_model)
+        from engine.model.weights_id import readable_weights_id
+
+        now = readable_weights_id(wanted_model)
         if now is not None and now != loaded:
             add("model.path", f"weights {loaded} (loaded at start)", f"weights {now} (the files at {wanted_model} now)")
 

@@ -184,7 +184,8 @@ class ServerManager:
         if current is not None and current.state in ACTIVE_STATES:
             return await self.poll()
         from engine.config import ConfigError
-        from engine.server.drift import api_key_fingerprint, current_weights
+        from engine.model.weights_id import readable_weights_id
+        from engine.server.drift import api_key_fingerprint
 
         try:
             # console.toml as it is now, not as it was when this process first read it: a restart
@@ -198,7 +199,7 @@ class ServerManager:
         if busy:
             raise ServerStartError(f"{busy}: stop whatever holds it, or set server.port to a free port")
         spools = self._earlier_spools(spec)
-        weights = await asyncio.to_thread(current_weights, self.workspace.model_dir)
+        weights = await asyncio.to_thread(readable_weights_id, self.workspace.model_dir)
         # JobManager.start waits (briefly, blocking) for the supervisor: keep it off the event loop.
         job = await asyncio.to_thread(self.jobs.start, "server", spec.argv, env=spec.env, cwd=self.workspace.root)
         self._write_record(job_id=job.id, url=spec.url, backend=spec.backend, desired="running",
