@@ -56,6 +56,9 @@ def test_no_weight_files_means_nothing_to_compare(tmp_path):
     said = weights_mismatch(meta, Path("/models/b"), "fedcba9876543210")
     assert said == ("its records were captured from weights 0123456789abcdef (/models/a), but model.path /models/b "
                     "holds weights fedcba9876543210")
+    said = weights_mismatch(meta, Path("/models/a"), "fedcba9876543210")  # the same path: the files were replaced
+    assert said == ("its records were captured from weights 0123456789abcdef, but the files at model.path /models/a "
+                    "now hold weights fedcba9876543210 (replaced since)")
 
 
 def test_a_remembered_id_is_read_again_when_a_file_changes(tmp_path, monkeypatch):

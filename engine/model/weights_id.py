@@ -101,5 +101,8 @@ def weights_mismatch(run_meta: dict, model_dir: str | os.PathLike, current: str 
     recorded = run_meta.get("model_weights")
     if recorded is None or current is None or recorded == current:
         return None
+    if str(run_meta.get("model")) == str(model_dir):
+        return (f"its records were captured from weights {recorded}, but the files at model.path {model_dir} "
+                f"now hold weights {current} (replaced since)")
     return (f"its records were captured from weights {recorded} ({run_meta.get('model')}), but model.path "
             f"{model_dir} holds weights {current}")
