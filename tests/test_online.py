@@ -377,7 +377,7 @@ def test_a_full_disk_as_the_window_closes_keeps_the_runs_own_outcome(online_ws, 
 def test_kept_records_of_other_weights_are_dropped_and_said(tiny_chat_model_dir, tmp_path, capfd):
     """Kept records (hybrid) of an earlier session whose target was fine-tuned in place since: they hold the
     old model's states, so they are dropped (they can be captured again) and the log says how many and why;
-    the same weights keep them."""
+    the same weights keep them, also moved to another path."""
     import shutil
 
     from engine.model.target import workspace_plan
@@ -410,6 +410,11 @@ def test_kept_records_of_other_weights_are_dropped_and_said(tiny_chat_model_dir,
     assert len(read_manifest(kept)[0]) == 1
     capfd.readouterr()
     assert open_window().kept and "dropped" not in capfd.readouterr().err  # same weights, same dataset: kept
+    moved = tmp_path / "moved"
+    shutil.move(model, moved)
+    ws.save_config(set_value(Workspace(ws.root).config, "model.path", str(moved)))
+    assert open_window().kept and "dropped" not in capfd.readouterr().err  # the same weights elsewhere: kept
+    model = moved
     fine_tune_in_place(model)
     open_window()
     said = capfd.readouterr().err

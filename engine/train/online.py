@@ -242,7 +242,8 @@ class OnlineData(RecordData):
             old = read_run_meta(self.kept_dir)
         except RecordError:
             old = None
-        changed = [k for k, v in meta.items() if old is not None and old.get(k) != v]
+        # The weights id, not the path, says which model: a moved model keeps its kept records.
+        changed = [k for k, v in meta.items() if old is not None and k != "model" and old.get(k) != v]
         if changed:  # records of another dataset or model: captured again from this one
             entries, _ = read_manifest(self.kept_dir)
             print(f"note: {self.kept_dir}: {len(entries)} kept record(s) of an earlier session dropped "
