@@ -178,6 +178,66 @@ def test_kill_9_is_detected_as_crash_and_restarted(chat_model_dir, tmp_path):
     assert stopped.state == "stopped"
 
 
+def _watch_until(manager: ServerManager, predicate, timeout: float = 60.0) -> list:
+    """Run the console's watcher (crash detection and restart) until a status satisfies `predicate`."""
+    seen: list = []
+
+    async def watch() -> None:
+        task = asyncio.create_task(manager.watch(seen.append, interval=0.2))
+        deadline = time.monotonic() + timeout
+        try:
+            while not any(predicate(s) for s in seen) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(watch())
+    assert any(predicate(s) for s in seen), [(s.state, s.error) for s in seen[-5:]]
+    return seen
+
+
+def test_a_restart_that_fails_says_why_even_when_the_record_cannot_be_written(chat_model_dir, tmp_path):
+    """kill -9, and the watcher's restart fails (model.path now names no model): the console hears
+    'restart failed' with the reason and the record says stopped, so it does not try again. With the disk
+    under the server record full as well, the same reason comes first and the failed write is named; it
+    used to replace the reason ('poll failed: [Errno 28] No space left on device')."""
+    from engine.config import set_value
+    from tests.helpers.online import small_disk
+
+    for disk_full in (False, True):
+        ws = make_workspace(tmp_path / f"ws-{disk_full}", chat_model_dir)
+        with small_disk(ws.state_dir, "1m") as mounted:
+            if disk_full and not mounted:
+                pytest.skip("the full-disk case needs a tmpfs (root)")
+            manager = ServerManager(ws)
+            first = asyncio.run(manager.start())
+            try:
+                ws.save_config(set_value(ws.config, "model.path", str(tmp_path / "gone")))
+                if disk_full:
+                    filler = ws.state_dir / "filler"
+                    with open(filler, "wb", buffering=0) as handle:
+                        try:
+                            while True:
+                                handle.write(b"\0" * 65536)
+                        except OSError:
+                            pass
+                os.kill(first.pid, signal.SIGKILL)
+                seen = _watch_until(manager, lambda s: "restart failed" in (s.error or ""))
+                failed = next(s for s in seen if "restart failed" in (s.error or ""))
+                assert failed.state == "crashed" and "gone/config.json missing" in failed.error, failed.error
+                if disk_full:
+                    assert failed.error.index("restart failed") == 0 and "could not be written" in failed.error
+                    assert "No space left" in failed.error, failed.error
+                else:
+                    assert manager.record()["desired"] == "stopped"
+                    assert asyncio.run(manager.poll()).state == "stopped"
+            finally:
+                if disk_full:
+                    filler.unlink(missing_ok=True)
+                asyncio.run(manager.stop(grace=5))
+
+
 def test_stop_leaves_no_process_behind(chat_model_dir, tmp_path):
     ws = make_ws(tmp_path, chat_model_dir)
     manager = ServerManager(ws)

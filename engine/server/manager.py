@@ -389,9 +389,13 @@ class ServerManager:
                         try:
                             status = await self.ensure_running()
                         except ServerStartError as exc:
-                            self._write_record(desired="stopped")
-                            status = ServerStatus(state="crashed", error=f"restart failed: {exc}",
-                                                  log_tail=tuple(exc.log_tail))
+                            error = f"restart failed: {exc}"
+                            try:
+                                self._write_record(desired="stopped")  # no restart loop
+                            except OSError as record_error:  # a full disk: the reason above still comes first
+                                error += (f"; and {self._state_path} could not be written "
+                                          f"({record_error.strerror or record_error})")
+                            status = ServerStatus(state="crashed", error=error, log_tail=tuple(exc.log_tail))
                     callback(status)
                 except asyncio.CancelledError:
                     raise
