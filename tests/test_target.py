@@ -53,6 +53,16 @@ def test_model_check_reports_bad_sizes_and_stops(tmp_path):
     assert not [r for r in results if r.name == "capture_layers"]  # nothing is planned on bad sizes
 
 
+def test_model_check_names_the_weights_id_the_other_stages_compare(tiny_chat_model_dir, tmp_path):
+    from engine.model.weights_id import weights_id
+
+    ws = init_workspace(tmp_path / "ws")
+    ws.save_config(set_value(ws.config, "model.path", str(tiny_chat_model_dir)))
+    [weights] = [r for r in check_model(CheckContext(ws)) if r.name == "weights"]
+    assert weights.status.value == "pass"
+    assert weights.evidence.endswith(f", weights id {weights_id(tiny_chat_model_dir)}"), weights.evidence
+
+
 def test_chat_token_ids_are_the_templates_ids(tiny_chat_model_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(tiny_chat_model_dir), local_files_only=True)
     messages = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]

@@ -8,6 +8,7 @@ from pathlib import Path
 from engine.checks.base import CheckResult, failed, passed, warned
 from engine.checks.context import CheckContext
 from engine.dataset.tokenize import chat_token_ids
+from engine.model.weights_id import readable_weights_id
 from engine.model.target import (SIZE_FIELDS, LayerIdRule, TargetError, config_sizes, layer_id_rule, plan_target,
                            text_config)
 
@@ -51,6 +52,9 @@ def check_model(ctx: CheckContext) -> list[CheckResult]:
     results.append(passed("config", f"{architecture}: {layers} layers, hidden {hidden}, vocab {vocab}"))
 
     ok, evidence = _weights_evidence(model_dir)
+    weights = readable_weights_id(model_dir) if ok else None
+    if weights:  # the id records, exports, reports and the server record name: compare by eye
+        evidence += f", weights id {weights}"
     results.append(passed("weights", evidence) if ok else failed("weights", evidence, "download the complete checkpoint"))
 
     try:
