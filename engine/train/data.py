@@ -65,6 +65,14 @@ def is_eval(sample_id: str, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+def target_weights(model_dir: Path) -> str | None:
+    """The id of the target's weights (engine.model.weights_id) the data must come from."""
+    try:
+        return weights_id(model_dir)
+    except OSError as exc:
+        raise TrainDataError(f"the target's weights in {model_dir} cannot be read: {exc}") from None
+
+
 class RecordData:
     """The records of one extraction run, split deterministically by sample id."""
 
@@ -79,11 +87,7 @@ class RecordData:
             raise TrainDataError(f"{self.run_dir}: records have hidden size {run_h} but the target model has "
                                  f"{hidden_size}; point extract.run at records of this model or re-extract")
         if model_dir is not None:
-            try:
-                current = weights_id(model_dir)
-            except OSError as exc:
-                raise TrainDataError(f"the target's weights in {model_dir} cannot be read: {exc}") from None
-            mismatch = weights_mismatch(self.meta, model_dir, current)
+            mismatch = weights_mismatch(self.meta, model_dir, target_weights(model_dir))
             if mismatch:  # the drafter would learn a model nobody serves
                 raise TrainDataError(f"{self.run_dir}: {mismatch}. Fix: {WEIGHTS_FIX}")
         entries, problems = read_manifest(self.run_dir)

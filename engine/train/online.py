@@ -63,7 +63,6 @@ from typing import Any, Callable
 import psutil
 
 from engine.io import atomic
-from engine.model.weights_id import weights_id
 from engine.records import (
     RecordEntry,
     RecordError,
@@ -73,7 +72,7 @@ from engine.records import (
     write_run_meta,
 )
 from engine.train.capture_process import EXIT_TIMEOUT_S, CaptureProcess, CaptureSpec, Order, failure_text
-from engine.train.data import RecordData, TrainDataError, is_eval
+from engine.train.data import RecordData, TrainDataError, is_eval, target_weights
 from engine.train.window import (
     Window,
     WindowClosed,
@@ -230,10 +229,7 @@ class OnlineData(RecordData):
     # ------------------------------------------------------------------ start
     def _open_kept(self) -> None:
         """Kept records of an earlier session that still match this dataset and model; the rest go."""
-        try:
-            weights = weights_id(self.ws.model_dir)
-        except OSError as exc:
-            raise TrainDataError(f"the target's weights in {self.ws.model_dir} cannot be read: {exc}") from None
+        weights = target_weights(self.ws.model_dir)
         meta = {"fingerprint": self.fingerprint, "hidden_size": self.hidden_size,
                 "layers": list(self.target.capture_layers), "model": str(self.ws.model_dir),
                 "aux_format": self.cfg.extract.aux_format, "model_weights": weights}
