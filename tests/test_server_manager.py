@@ -212,10 +212,10 @@ def test_a_restart_that_fails_says_why_even_when_the_record_cannot_be_written(ch
                 pytest.skip("the full-disk case needs a tmpfs (root)")
             manager = ServerManager(ws)
             first = asyncio.run(manager.start())
+            filler = ws.state_dir / "filler"
             try:
                 ws.save_config(set_value(ws.config, "model.path", str(tmp_path / "gone")))
                 if disk_full:
-                    filler = ws.state_dir / "filler"
                     with open(filler, "wb", buffering=0) as handle:
                         try:
                             while True:
@@ -233,8 +233,7 @@ def test_a_restart_that_fails_says_why_even_when_the_record_cannot_be_written(ch
                     assert manager.record()["desired"] == "stopped"
                     assert asyncio.run(manager.poll()).state == "stopped"
             finally:
-                if disk_full:
-                    filler.unlink(missing_ok=True)
+                filler.unlink(missing_ok=True)  # room for the stop's record
                 asyncio.run(manager.stop(grace=5))
 
 
